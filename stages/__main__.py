@@ -1,0 +1,5 @@
+import sys
+
+from stages.cli import main_plain
+
+sys.exit(main_plain())

@@ -1,0 +1,275 @@
+"""Data stage: read IMDB / billsum / local files, split, validate, write one Arrow file per split.
+
+Sources are tried in this order: a local `data.path`; the offline mirror ($FINETUNE_DATA_MIRROR or
+`data.mirror`, laid out like ../shared/data: imdb/{train,test}.csv.gz, billsum/*.jsonl); the hub.
+The IMDB `shuffle_concat` split is the BLOOM article's: the 50k rows in aclImdb order (test/pos,
+test/neg, train/pos, train/neg, sorted file names), `sample(frac=1, random_state=seed)`, then
+train / validation / test cut by counts.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+from stages.config import PROJECT_ROOT, PipelineConfig
+from stages.errors import DataError, MissingInputError
+from stages.hub import ensure_hub_reachable
+
+SPLITS = ("train", "validation", "test")
+HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
+DEFAULT_TARGET = {"billsum": "summary"}
+TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
+
+
+# ------------------------------------------------------------------ where the data comes from
+
+
+def mirror_root(data_cfg: Any) -> Path | None:
+    raw = os.environ.get("FINETUNE_DATA_MIRROR") or data_cfg.mirror
+    if not raw:
+        return None
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        path = PROJECT_ROOT / path
+    return path if path.is_dir() else None
+
+
+def local_path(raw: str) -> Path:
+    for base in (Path.cwd(), PROJECT_ROOT):
+        p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
+        if p.exists():
+            return p
+    raise MissingInputError(f"data.path {raw}: no such file or folder; give an existing CSV/JSONL/Parquet file, "
+                            f"a folder of split files, or an aclImdb folder/tarball")
+
+
+def mirror_files(data_cfg: Any) -> list[Path]:
+    root = mirror_root(data_cfg)
+    if root is None:
+        return []
+    if data_cfg.source == "imdb":
+        files = [root / "imdb" / "test.csv.gz", root / "imdb" / "train.csv.gz"]
+        return files if all(f.is_file() for f in files) else []
+    if data_cfg.source == "billsum":
+        return sorted((root / "billsum").glob("*.jsonl"))
+    return []
+
+
+def source_files(cfg: PipelineConfig) -> list[Path]:
+    """The files the data stage will read (their content goes into its key)."""
+    if cfg.data.source == "local" or cfg.data.path:
+        return [local_path(cfg.data.path)]
+    return mirror_files(cfg.data)
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    name = path.name.lower()
+    if name.endswith((".csv", ".csv.gz")):
+        return pd.read_csv(path, keep_default_na=False)
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return pd.read_json(path, lines=True)
+    if name.endswith(".json"):
+        return pd.read_json(path)
+    if name.endswith(".parquet"):
+        return pd.read_parquet(path)
+    raise DataError(f"{path}: unsupported file type; use .csv, .csv.gz, .jsonl, .json or .parquet")
+
+
+def _split_of(name: str) -> str | None:
+    low = name.lower()
+    for split, words in (("validation", ("validation", "valid", "val", "dev")), ("test", ("test",)),
+                         ("train", ("train",))):
+        if any(w in low.replace("-", "_").split("_") or low.startswith(w) for w in words):
+            return split
+    return None
+
+
+def _read_acl_folder(root: Path) -> dict[str, pd.DataFrame]:
+    frames = {}
+    for split in ("test", "train"):
+        rows = []
+        for label_name, label in (("pos", 1), ("neg", 0)):
+            folder = root / split / label_name
+            if not folder.is_dir():
+                raise MissingInputError(f"{root}: aclImdb folder lacks {split}/{label_name}; point data.path at "
+                                        f"the extracted aclImdb folder")
+            for f in sorted(os.listdir(folder)):
+                rows.append((f"{split}/{label_name}/{f}", (folder / f).read_text(encoding="utf-8"), label))
+        frames[split] = pd.DataFrame(rows, columns=["id", "text", "label"])
+    return frames
+
+
+def _read_acl_tarball(path: Path) -> dict[str, pd.DataFrame]:
+    texts: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    with tarfile.open(path) as tar:
+        for m in tar:
+            parts = m.name.split("/")
+            if m.isfile() and len(parts) == 4 and parts[1] in ("train", "test") and parts[2] in ("pos", "neg"):
+                data = tar.extractfile(m).read().decode("utf-8")  # type: ignore[union-attr]
+                texts.setdefault((parts[1], parts[2]), []).append((parts[3], data))
+    frames = {}
+    for split in ("test", "train"):
+        rows = []
+        for label_name, label in (("pos", 1), ("neg", 0)):
+            for f, text in sorted(texts.get((split, label_name), [])):
+                rows.append((f"{split}/{label_name}/{f}", text, label))
+        frames[split] = pd.DataFrame(rows, columns=["id", "text", "label"])
+    if not any(len(f) for f in frames.values()):
+        raise MissingInputError(f"{path}: no aclImdb/{{train,test}}/{{pos,neg}}/*.txt members; is it aclImdb_v1.tar.gz?")
+    return frames
+
+
+def _read_local(path: Path) -> dict[str, pd.DataFrame]:
+    if path.is_dir() and (path / "train" / "pos").is_dir():
+        return _read_acl_folder(path)
+    if path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
+        return _read_acl_tarball(path)
+    if path.is_file():
+        return {"train": _read_table(path)}
+    frames: dict[str, list[pd.DataFrame]] = {}
+    for f in sorted(path.iterdir()):
+        if f.name.lower().endswith(TABULAR) and (split := _split_of(f.name)):
+            frames.setdefault(split, []).append(_read_table(f))
+    if not frames:
+        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.jsonl/.parquet files in this folder")
+    return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
+
+
+def _read_hub(cfg: Any) -> dict[str, pd.DataFrame]:
+    hub_id = cfg.data.hub_id or HUB_IDS[cfg.data.source]
+    ensure_hub_reachable(
+        f"dataset {hub_id}",
+        "point the pipeline at local files: set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data "
+        "(imdb/{train,test}.csv.gz, billsum/*.jsonl), or --set data.source=local --set data.path=FILE")
+    import datasets
+
+    ds = datasets.load_dataset(hub_id, revision=cfg.data.hub_revision)
+    frames = {s: ds[s].to_pandas() for s in ("train", "test", "validation") if s in ds}
+    if cfg.data.source == "imdb":  # aclImdb order: positives first within each split
+        frames = {s: f.sort_values("label", ascending=False, kind="stable").reset_index(drop=True)
+                  for s, f in frames.items()}
+    return frames
+
+
+def load_source(cfg: Any) -> tuple[dict[str, pd.DataFrame], str]:
+    if cfg.data.source == "local" or cfg.data.path:
+        path = local_path(cfg.data.path)
+        return _read_local(path), f"local:{path}"
+    files = mirror_files(cfg.data)
+    if files and cfg.data.source == "imdb":
+        return {"test": _read_table(files[0]), "train": _read_table(files[1])}, f"mirror:{files[0].parent}"
+    if files:
+        frames: dict[str, list[pd.DataFrame]] = {}
+        for f in files:
+            frames.setdefault(_split_of(f.name) or "train", []).append(_read_table(f))
+        return {s: pd.concat(v, ignore_index=True) for s, v in frames.items()}, f"mirror:{files[0].parent}"
+    return _read_hub(cfg), f"hub:{cfg.data.hub_id or HUB_IDS[cfg.data.source]}"
+
+
+# ------------------------------------------------------------------ shaping
+
+
+def normalise(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+    """Keep id/text/label/target with stable ids; check columns and labels."""
+    d, task = cfg.data, cfg.model.task
+    target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
+    out = {}
+    for split, df in frames.items():
+        need = {"data.text_column": d.text_column}
+        if task == "seq_cls":
+            need["data.label_column"] = d.label_column
+        elif task == "seq2seq":
+            need["data.target_column"] = target_col
+        for key, col in need.items():
+            if col is None:
+                raise DataError(f"{key} is not set but task {task} needs it; set it in pipeline.yaml")
+            if col not in df.columns:
+                raise MissingInputError(f"{split} split has no column '{col}' (columns: {', '.join(map(str, df.columns))}); "
+                                        f"set {key} to one of them")
+        ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
+        cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
+        if task == "seq_cls":
+            labels = pd.to_numeric(df[d.label_column], errors="coerce")
+            bad = labels.isna() | (labels < 0) | (labels >= cfg.model.num_labels) | (labels % 1 != 0)
+            if bad.any():
+                first = df[d.label_column][bad].iloc[0]
+                raise DataError(f"{split} split: {int(bad.sum())} label(s) outside 0..{cfg.model.num_labels - 1} "
+                                f"(first: {first!r}); fix the data or set model.num_labels")
+            cols["label"] = labels.astype("int64").to_numpy()
+        if target_col and target_col in df.columns:
+            cols["target"] = df[target_col].astype(str).to_numpy()
+        out[split] = pd.DataFrame(cols)
+    return out
+
+
+def _carve(df: pd.DataFrame, size: int | float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    n = int(round(size * len(df))) if isinstance(size, float) and size < 1 else int(size)
+    if n >= len(df):
+        raise DataError(f"cannot carve {n} rows out of {len(df)}; lower data.split sizes")
+    perm = df.sample(frac=1, random_state=seed)
+    return perm.iloc[n:].sort_index(), perm.iloc[:n].sort_index()
+
+
+def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+    sp = cfg.data.split
+    if sp.mode == "shuffle_concat":
+        order = [s for s in ("test", "train", "validation") if s in frames]
+        allrows = pd.concat([frames[s] for s in order], ignore_index=True)
+        need = sp.train + int(sp.validation) + int(sp.test)
+        if need > len(allrows):
+            raise DataError(f"data.split asks for {need} rows but the source has {len(allrows)}; lower the counts")
+        shuffled = allrows.sample(frac=1, random_state=sp.seed).reset_index(drop=True)
+        a, b = sp.train, sp.train + int(sp.validation)
+        out = {"train": shuffled.iloc[:a], "validation": shuffled.iloc[a:b], "test": shuffled.iloc[b:need]}
+    else:
+        if "train" not in frames:
+            raise DataError(f"source has no train split (has {', '.join(frames)}); name files train.* or use "
+                            f"data.split.mode=shuffle_concat")
+        train = frames["train"]
+        test = frames.get("test")
+        if test is None and sp.test:
+            train, test = _carve(train, sp.test, sp.seed)
+        val = frames.get("validation")
+        if val is None and sp.validation:
+            train, val = _carve(train, sp.validation, sp.seed + 1)
+        out = {"train": train, "validation": val, "test": test}
+        out = {k: v for k, v in out.items() if v is not None}
+    if cfg.data.subset:
+        out = {k: (v.iloc[: cfg.data.subset[k]] if k in cfg.data.subset else v) for k, v in out.items()}
+    for k, v in out.items():
+        if len(v) == 0:
+            raise DataError(f"split '{k}' is empty; check the source files and data.split / data.subset")
+    return {k: v.reset_index(drop=True) for k, v in out.items()}
+
+
+def write_arrow(df: pd.DataFrame, path: Path) -> None:
+    table = pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+def read_split(folder: Path, split_name: str) -> pa.Table:
+    with pa.memory_map(str(folder / f"{split_name}.arrow")) as src:
+        return pa.ipc.open_file(src).read_all()
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    cfg = ctx.cfg
+    frames, origin = load_source(cfg)
+    splits = split(normalise(frames, cfg), cfg)
+    stats: dict[str, Any] = {"source": origin, "rows": {}, "mean_chars": {}}
+    for name, df in splits.items():
+        write_arrow(df, ctx.out_dir / f"{name}.arrow")
+        stats["rows"][name] = len(df)
+        stats["mean_chars"][name] = round(float(df["text"].str.len().mean()), 1)
+        if "label" in df:
+            stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
+                                                     df["label"].value_counts().sort_index().items()}
+    ctx.log.info("data: %s rows from %s", stats["rows"], origin)
+    return stats

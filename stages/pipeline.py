@@ -1,0 +1,180 @@
+"""Runs a named pipeline's stages through the store, without Prefect. The Prefect flow calls the same
+`plan` and `run_stage`, one task per stage."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig
+from stages.errors import ConfigError, MissingInputError
+from stages.fingerprint import OUTPUT_LIBRARIES, code_fingerprint, inputs_digest, library_versions
+from stages.store import Outcome, StageKey, Store
+
+log = logging.getLogger("finetune")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its body, the config fields it reads (dotted paths: its key covers exactly these),
+    the stages it consumes, and the files it reads directly."""
+
+    name: str
+    body: Callable[[StageContext], dict[str, Any] | None]
+    reads: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    inputs: Callable[[PipelineConfig], list[Path]] = field(default=lambda cfg: [])
+    libraries: tuple[str, ...] = OUTPUT_LIBRARIES
+
+
+class ConfigView:
+    """The part of the config a stage declared in `reads`; anything else raises, so a key can never
+    miss a field the stage uses."""
+
+    def __init__(self, obj: Any, reads: tuple[str, ...], stage: str, prefix: str = ""):
+        self._obj, self._reads, self._stage, self._prefix = obj, reads, stage, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = f"{self._prefix}{name}"
+        if any(path == r or path.startswith(r + ".") for r in self._reads):
+            return getattr(self._obj, name)
+        if any(r.startswith(path + ".") for r in self._reads):
+            return ConfigView(getattr(self._obj, name), self._reads, self._stage, path + ".")
+        raise AttributeError(f"stage '{self._stage}' reads config '{path}' but does not declare it in its "
+                             f"reads; add it to the stage's reads in stages/registry.py")
+
+
+@dataclass
+class StageContext:
+    cfg: Any  # a ConfigView over PipelineConfig
+    out_dir: Path  # everything written here becomes the artifact (committed atomically)
+    work_dir: Path  # scratch that survives a crash of this key (checkpoints); deleted after commit
+    upstream: dict[str, Path]
+    upstream_manifests: dict[str, dict[str, Any]]
+    log: logging.Logger
+
+
+def select(cfg: PipelineConfig, path: str) -> Any:
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value.cache_dict() if hasattr(value, "cache_dict") else value
+
+
+@dataclass(frozen=True)
+class Planned:
+    stage: Stage
+    key: StageKey
+
+
+def plan(cfg: PipelineConfig, stages: Iterable[Stage] | None = None) -> list[Planned]:
+    """Keys for every stage, computed up front (a key needs only upstream keys, not their outputs)."""
+    if stages is None:
+        from stages.registry import STAGES
+        stages = STAGES
+    keys: dict[str, StageKey] = {}
+    out = []
+    for st in stages:
+        code, objects = code_fingerprint(st.body)
+        inputs_code = code_fingerprint(st.inputs)[0]
+        sk = StageKey(
+            stage=st.name,
+            params={r: select(cfg, r) for r in st.reads},
+            upstream={u: keys[u].key for u in st.upstream},
+            inputs=inputs_digest(st.inputs(cfg)),
+            code=f"{code}:{inputs_code}",
+            code_objects=tuple(objects),
+            libraries=library_versions(st.libraries),
+        )
+        keys[st.name] = sk
+        out.append(Planned(st, sk))
+    return out
+
+
+def stage_names() -> list[str]:
+    from stages.registry import STAGES
+    return [s.name for s in STAGES]
+
+
+def check_stage_names(names: Iterable[str], option: str) -> None:
+    valid = stage_names()
+    for n in names:
+        if n not in valid:
+            raise ConfigError(f"{option} {n}: unknown stage; stages are {', '.join(valid)}")
+
+
+def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], *,
+              force: bool = False, verify: bool = False) -> Outcome:
+    """Run (or reuse) one stage. `done` holds the outcomes of its upstream stages."""
+    st, sk = item.stage, item.key
+    missing = [u for u in st.upstream if u not in done]
+    if missing:
+        raise MissingInputError(f"stage {st.name}: upstream {', '.join(missing)} has not run; run the pipeline "
+                                f"without --only first")
+    ups = {u: done[u] for u in st.upstream}
+    ctx_factory = lambda out, work: StageContext(  # noqa: E731
+        cfg=ConfigView(cfg, st.reads, st.name), out_dir=out, work_dir=work,
+        upstream={u: o.path for u, o in ups.items()},
+        upstream_manifests={u: o.manifest for u, o in ups.items()},
+        log=logging.getLogger(f"finetune.{st.name}"))
+    outcome = store.run(
+        sk, lambda out, work: st.body(ctx_factory(out, work)), pipeline=cfg.name,
+        config={r: select(cfg, r) for r in st.reads},
+        upstream_digests={u: o.manifest["digest"] for u, o in ups.items()},
+        force=force, verify=verify)
+    store.set_ref(cfg.name, st.name, sk.key)
+    return outcome
+
+
+def cached_outcome(store: Store, item: Planned, verify: bool = False) -> Outcome | None:
+    """The stage's committed artifact, if valid (used for upstream of --only)."""
+    sk = item.key
+    if store.problems(sk.stage, sk.key, verify=verify):
+        return None
+    manifest = store.read_manifest(sk.stage, sk.key)
+    assert manifest is not None
+    return Outcome(sk.stage, sk.key, store.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
+
+
+def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, force: Iterable[str] = (),
+                 verify: bool = False, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+    force = set(force)
+    check_stage_names(force, "--force")
+    if only:
+        check_stage_names([only], "--only")
+    items = plan(cfg)
+    done: dict[str, Outcome] = {}
+    results = []
+    for item in items:
+        name = item.stage.name
+        if only and name != only:
+            if name in _ancestors(items, only):
+                hit = cached_outcome(store, item, verify)
+                if hit is None:
+                    raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
+                                            f"config; run the whole pipeline first")
+                done[name] = hit
+            continue
+        outcome = run_stage(cfg, item, store, done, force=name in force, verify=verify)
+        done[name] = outcome
+        results.append(outcome)
+        if on_outcome:
+            on_outcome(outcome)
+    return results
+
+
+def _ancestors(items: list[Planned], name: str) -> set[str]:
+    by_name = {i.stage.name: i.stage for i in items}
+    out: set[str] = set()
+    todo = list(by_name[name].upstream)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(by_name[n].upstream)
+    return out

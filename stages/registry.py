@@ -1,0 +1,27 @@
+"""The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
+Stages that do not exist yet are simply not listed; every pipeline runs this chain."""
+
+from __future__ import annotations
+
+from stages import data, tokenize
+from stages.hf import tokenizer_files
+from stages.pipeline import Stage
+
+STAGES: list[Stage] = [
+    Stage(
+        name="data",
+        body=data.run,
+        reads=("data", "model.task", "model.num_labels"),
+        inputs=data.source_files,
+        libraries=("pandas", "pyarrow", "datasets"),
+    ),
+    Stage(
+        name="tokenize",
+        body=tokenize.run,
+        reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
+               "model.trust_remote_code"),
+        upstream=("data",),
+        inputs=tokenizer_files,
+        libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
+    ),
+]

@@ -1,0 +1,101 @@
+"""Tokenize stage: the data stage's splits -> token ids, saved with `datasets` save_to_disk.
+
+No padding is stored (batches are padded dynamically at train time). Inputs longer than
+`tokenize.max_length` keep their head and the tokenizer's closing special tokens. The manifest
+records token-length stats per split (mean, p50, p95, max, share truncated).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from stages.data import read_split
+from stages.hf import load_tokenizer
+
+IGNORE_INDEX = -100
+
+
+def special_affixes(tok: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text (e.g. [CLS] ... [SEP])."""
+    bare = tok("x", add_special_tokens=False)["input_ids"]
+    full = tok("x")["input_ids"]
+    start = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
+    return full[:start], full[start + len(bare):]
+
+
+def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, desc: str) -> tuple[list, list]:
+    """(ids truncated to max_length keeping the closing specials, untruncated lengths)."""
+    head, tail = special_affixes(tok)
+    ids, lengths = [], []
+    for i in tqdm(range(0, len(texts), batch_size), desc=desc, unit="batch", leave=False):
+        for seq in tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"]:
+            full = len(head) + len(seq) + len(tail)
+            lengths.append(full)
+            if max_length is not None and full > max_length:
+                seq = seq[: max(max_length - len(head) - len(tail), 0)]
+            ids.append(head + seq + tail)
+    return ids, lengths
+
+
+def length_stats(lengths: list[int], limit: int | None) -> dict[str, float]:
+    a = np.asarray(lengths)
+    kept = np.minimum(a, limit) if limit else a
+    return {
+        "count": int(a.size),
+        "mean": round(float(kept.mean()), 2),
+        "p50": float(np.percentile(kept, 50)),
+        "p95": float(np.percentile(kept, 95)),
+        "max": int(kept.max()),
+        "untruncated_max": int(a.max()),
+        "truncated_share": round(float((a > limit).mean()), 4) if limit else 0.0,
+        "tokens": int(kept.sum()),
+    }
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    cfg, t = ctx.cfg, ctx.cfg.tokenize
+    task = cfg.model.task
+    tok = load_tokenizer(cfg)
+    data_dir = ctx.upstream["data"]
+    splits = [s for s in ("train", "validation", "test") if (data_dir / f"{s}.arrow").exists()]
+    out, stats = {}, {}
+    for name in splits:
+        table = read_split(data_dir, name)
+        texts = [t.prefix + x for x in table.column("text").to_pylist()]
+        ids, lengths = encode(tok, texts, t.max_length, t.batch_size, f"tokenize {name}")
+        cols: dict[str, Any] = {"id": table.column("id").to_pylist()}
+        stats[name] = {"input": length_stats(lengths, t.max_length)}
+        has_target = "target" in table.column_names
+        if task == "seq_cls":
+            cols["labels"] = table.column("label").to_pylist()
+        elif has_target:
+            tgt_ids, tgt_len = encode(tok, table.column("target").to_pylist(), t.max_target_length,
+                                      t.batch_size, f"tokenize {name} targets")
+            stats[name]["target"] = length_stats(tgt_len, t.max_target_length)
+            if task == "seq2seq":
+                cols["labels"] = tgt_ids
+            else:  # causal LM: prompt then target; loss on the target only
+                merged, labels = [], []
+                for p, y in zip(ids, tgt_ids, strict=True):
+                    seq = (p + y)[: t.max_length]
+                    merged.append(seq)
+                    labels.append(([IGNORE_INDEX] * len(p) + y)[: t.max_length])
+                ids, cols["labels"] = merged, labels
+        else:
+            cols["labels"] = ids
+        cols["input_ids"] = ids
+        cols["length"] = [len(x) for x in ids]
+        # a fixed fingerprint keeps save_to_disk byte-identical across reruns
+        out[name] = datasets.Dataset(InMemoryTable(pa.table(cols)), fingerprint=f"tokenized-{name}")
+    datasets.disable_progress_bars()
+    datasets.DatasetDict(out).save_to_disk(str(ctx.out_dir / "dataset"))
+    tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
+    ctx.log.info("tokenize: %s", {k: v["input"]["mean"] for k, v in stats.items()})
+    return {"tokenizer": type(tok).__name__, "vocab_size": len(tok), "lengths": stats}
