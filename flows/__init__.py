@@ -1,0 +1,18 @@
+"""Prefect flows. Importing this package sets Prefect defaults that work on a fresh machine, unless the
+user already set them: PREFECT_HOME inside the project (git-ignored), a server startup timeout that
+covers a first start on a slow machine (24-30 s measured; Prefect's default is 20 s), analytics off."""
+
+import os
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+for _name, _value in {
+    "PREFECT_HOME": str(_ROOT / ".prefect"),
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_API_HOST": "127.0.0.1",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "finetune",
+    "DO_NOT_TRACK": "1",
+}.items():
+    os.environ.setdefault(_name, _value)

@@ -141,6 +141,20 @@ def cached_outcome(store: Store, item: Planned, verify: bool = False) -> Outcome
     return Outcome(sk.stage, sk.key, store.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
 
 
+def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False) -> dict[str, Outcome]:
+    """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store."""
+    done = {}
+    for item in items:
+        name = item.stage.name
+        if name in _ancestors(items, only):
+            hit = cached_outcome(store, item, verify)
+            if hit is None:
+                raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
+                                        f"config; run the whole pipeline first")
+            done[name] = hit
+    return done
+
+
 def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, force: Iterable[str] = (),
                  verify: bool = False, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
     force = set(force)
@@ -148,17 +162,11 @@ def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, 
     if only:
         check_stage_names([only], "--only")
     items = plan(cfg)
-    done: dict[str, Outcome] = {}
+    done = upstream_for_only(items, only, store, verify) if only else {}
     results = []
     for item in items:
         name = item.stage.name
         if only and name != only:
-            if name in _ancestors(items, only):
-                hit = cached_outcome(store, item, verify)
-                if hit is None:
-                    raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
-                                            f"config; run the whole pipeline first")
-                done[name] = hit
             continue
         outcome = run_stage(cfg, item, store, done, force=name in force, verify=verify)
         done[name] = outcome

