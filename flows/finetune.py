@@ -16,7 +16,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
-from stages.cli import describe, guarded, load_args, parser, setup_logging
+from stages.cli import describe
 from stages.config import PipelineConfig, load_pipeline, store_root
 from stages.errors import FinetuneError
 from stages.pipeline import Planned, check_stage_names, plan, run_stage, stage_names, upstream_for_only
@@ -89,23 +89,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     return summary
 
 
-def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> int:
-    prog = f"python -m {sys.modules['__main__'].__spec__.name}" if getattr(sys.modules["__main__"], "__spec__", None) \
-        else "finetune"
-    args = parser(prog, default_pipeline).parse_args(argv)
-
-    def go() -> int:
-        load_args(args)  # validate config before Prefect starts: bad input costs nothing and writes nothing
-        setup_logging()
-        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, return_state=True)
-        if state.is_failed():
-            print(f"error: {state.message}", file=sys.stderr)
-            return 2
-        print(f"store: {store_root()}")
-        return 0
-
-    return guarded(go)
-
-
 if __name__ == "__main__":
+    from flows.cli import main
+
     sys.exit(main())

@@ -262,11 +262,25 @@ def overrides_to_dict(overrides: list[str] | dict[str, Any] | None) -> dict:
     return nested
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path) -> dict:
     if not path.exists():
         raise ConfigError(f"{path}: pipeline file not found; pass --config PATH or run from the project root")
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -361,6 +375,7 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over
         elif kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
             op = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}[kind]
             bound = next(iter(ctx.values()))
+            bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
             msg = f"must be {op} {bound}, got {got!r}"
         elif kind == "literal_error":
             msg = f"must be one of {ctx.get('expected')}, got {got!r}"

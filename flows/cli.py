@@ -1,0 +1,28 @@
+"""Entry point of `python -m flows.finetune|bloom_imdb|qlora_t5`. The config is validated before Prefect
+is imported, so bad input costs a second, prints one line, exits 2 and writes nothing."""
+
+from __future__ import annotations
+
+import sys
+
+from stages.cli import guarded, load_args, parser, setup_logging
+from stages.config import store_root
+
+
+def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> int:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    args = parser(f"python -m {spec.name}" if spec else "finetune", default_pipeline).parse_args(argv)
+
+    def go() -> int:
+        load_args(args)
+        setup_logging()
+        from flows.finetune import finetune
+
+        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, return_state=True)
+        if state.is_failed():
+            print(f"error: {state.message}", file=sys.stderr)
+            return 2
+        print(f"store: {store_root()}")
+        return 0
+
+    return guarded(go)
