@@ -113,15 +113,21 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     from_config: dict[str, Any] | None = Field(
         None, description="build a randomly initialised model from this transformers config (tests, memory bench)")
-    init_seed: int = 0
+    init_seed: int = Field(0, description="seed for random models and newly initialised heads (score, classifier)")
+    memory_check: bool = runtime(True, description="stop before loading when the estimated footprint exceeds "
+                                 "the device's free memory")
 
 
 class QuantizationConfig(Section):
     mode: Literal["none", "8bit", "4bit"] = "none"
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = False
-    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    skip_modules: list[str] = Field(default_factory=list)
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU")
+    skip_modules: list[str] = Field(default_factory=list, description="modules never quantized, besides the heads "
+                                    "(score, classifier, lm_head) and tied embeddings")
+    quantize_fp32_modules: bool = Field(False, description="also quantize the modules a model keeps in fp32 "
+                                        "(T5's wo); smaller, but those layers lose their fp32 precision")
 
 
 class AdaptersConfig(Section):
@@ -132,6 +138,7 @@ class AdaptersConfig(Section):
     target_modules: list[str] = Field(default_factory=list)
     modules_to_save: list[str] = Field(default_factory=list)
     bias: Literal["none", "all", "lora_only"] = "none"
+    init_seed: int = Field(0, description="seed for the initial LoRA weights")
 
     @model_validator(mode="after")
     def _lora_targets(self) -> AdaptersConfig:

@@ -3,7 +3,7 @@ Stages that do not exist yet are simply not listed; every pipeline runs this cha
 
 from __future__ import annotations
 
-from stages import data, tokenize
+from stages import adapters, data, model, tokenize
 from stages.hf import tokenizer_files
 from stages.pipeline import Stage
 
@@ -23,5 +23,19 @@ STAGES: list[Stage] = [
         upstream=("data",),
         inputs=tokenizer_files,
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
+    ),
+    Stage(
+        name="model",
+        body=model.run,
+        reads=("model", "quantization", "tokenize.tokenizer"),
+        inputs=model.input_files,
+        libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
+    ),
+    Stage(
+        name="adapters",
+        body=adapters.run,
+        reads=("adapters",),
+        upstream=("model",),
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
 ]

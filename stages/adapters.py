@@ -1,0 +1,132 @@
+"""Adapters stage: what will be trained. `lora` attaches PEFT LoRA adapters (with
+`prepare_model_for_kbit_training` when the model is quantized) and saves the initial adapter
+(`adapter/`, seeded by adapters.init_seed); `full` makes every parameter trainable (the BLOOM article)
+and saves only `adapters.json`. Manifest: trainable / total / percent.
+
+`load_trainable(model_dir, adapters_dir)` is what the train stage calls: the model ready to train.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages import memory
+from stages.errors import ConfigError
+from stages.model import load_info, load_model
+
+INFO = "adapters.json"
+PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The short names of the model's Linear-like modules (what target_modules may name)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({n.rsplit(".", 1)[-1] for n, mod in model.named_modules()
+                   if n and isinstance(mod, nn.Linear | Conv1D)})
+
+
+def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: list[str]) -> None:
+    """Every problem at once: unknown target modules (listing the linear names) and unknown modules_to_save."""
+    problems = []
+    unknown = [t for t in target_modules if not memory.lora_target_modules(model, [t])]
+    if unknown:
+        problems.append(f"adapters.target_modules {unknown} match no module of {type(model).__name__}; its linear "
+                        f"modules are {linear_names(model)}")
+    unsaved = [t for t in modules_to_save if not memory.lora_target_modules(model, [t])]
+    if unsaved:
+        heads = sorted({n.rsplit(".", 1)[-1] for n, _ in model.named_children()})
+        problems.append(f"adapters.modules_to_save {unsaved} match no module; top-level modules are {heads}, "
+                        f"linear modules {linear_names(model)}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def lora_config(a: Any, task: str) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target_modules),
+                      modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=PEFT_TASK[task])
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total), counting packed 4-bit weights as the parameters they hold."""
+    if hasattr(model, "get_nb_trainable_parameters"):
+        return model.get_nb_trainable_parameters()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())
+
+
+def lora_module_names(model: nn.Module) -> list[str]:
+    """Full names of the modules that carry LoRA weights (without the PEFT wrapper prefix)."""
+    names = [n for n, mod in model.named_modules() if hasattr(mod, "lora_A") and len(getattr(mod, "lora_A", {}))]
+    return [n.removeprefix("base_model.model.") for n in names]
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    a = ctx.cfg.adapters
+    model_dir = ctx.upstream["model"]
+    info = load_info(model_dir)
+    quantized = info["quantization"] != "none"
+    if a.method == "full":
+        if quantized:
+            raise ConfigError(f"adapters.method full: the model is quantized ({info['quantization']}) and "
+                              f"quantized weights cannot be trained; use adapters.method=lora or quantization.mode=none")
+        model = load_model(model_dir)
+        total = sum(p.numel() for p in model.parameters())
+        facts = {"method": "full", "trainable": total, "total": total, "percent": 100.0}
+        (ctx.out_dir / INFO).write_text(json.dumps(facts, indent=2))
+        return facts
+
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    model = load_model(model_dir)
+    check_targets(model, list(a.target_modules), list(a.modules_to_save))
+    if quantized:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(a.init_seed)
+    peft_model = get_peft_model(model, lora_config(a, info["task"]))
+    peft_model.save_pretrained(ctx.out_dir / "adapter")
+    trainable, total = count_parameters(peft_model)
+    wrapped = lora_module_names(peft_model)
+    facts = {"method": "lora", "trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4),
+             "lora_modules": len(wrapped), "lora_targets": sorted({n.rsplit(".", 1)[-1] for n in wrapped}),
+             "modules_to_save": sorted(peft_model.modules_to_save or []),
+             "footprint_bytes": int(peft_model.get_memory_footprint())}
+    (ctx.out_dir / INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2))
+    ctx.log.info("adapters: lora on %d modules (%s), trainable %s of %s (%.2f%%)", len(wrapped),
+                 ", ".join(facts["lora_targets"]), f"{trainable:,}", f"{total:,}", facts["percent"])
+    return facts
+
+
+def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> nn.Module:
+    """The model ready to train: the `model` artifact (load_model), prepare_model_for_kbit_training when
+    quantized, then the initial LoRA adapter loaded trainable (modules_to_save included), or for `full`
+    every parameter requiring grad."""
+    adapters_dir = Path(adapters_dir)
+    try:
+        method = json.loads((adapters_dir / INFO).read_text())["method"]
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"{adapters_dir}: not an adapters stage artifact (missing {INFO}); run the adapters "
+                          f"stage first") from None
+    info = load_info(model_dir)
+    model = load_model(model_dir)
+    if method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        return model
+    from peft import PeftModel, prepare_model_for_kbit_training
+
+    if info["quantization"] != "none":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    return PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
