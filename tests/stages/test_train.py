@@ -1,0 +1,139 @@
+"""The train stage's loop on tiny random models (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
+
+from stages.batching import collate
+from stages.checkpoint import checkpoints
+from stages.train import Rows, accumulate_window, lr_factor, train_model
+
+log = logging.getLogger("test.train")
+
+
+def window_grads(make_model, rows, micro: int, task: str) -> dict[str, torch.Tensor]:
+    model = make_model()
+    model.train()
+    batches = Rows(rows).batches(list(range(len(rows))), micro, PAD, task)
+    accumulate_window(model, batches, task)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("make_model,rows,task", [
+    (tiny_classifier, cls_rows(8, seed=1), "seq_cls"),
+    (tiny_t5, s2s_rows(8, seed=2), "seq2seq"),
+], ids=["classifier", "seq2seq"])
+def test_k_by_1_and_1_by_k_give_the_same_gradients(make_model, rows, task):
+    lengths = sorted(len(r["input_ids"]) for r in rows)
+    assert lengths[0] * 3 < lengths[-1]  # really uneven
+    big = window_grads(make_model, rows, micro=8, task=task)  # micro-batch 8 x accumulation 1
+    small = window_grads(make_model, rows, micro=1, task=task)  # micro-batch 1 x accumulation 8
+    mid = window_grads(make_model, rows, micro=3, task=task)  # 3 + 3 + 2: uneven micro-batches
+    d1, d2 = max_diff(big, small), max_diff(big, mid)
+    print(f"{task}: max |grad(8x1) - grad(1x8)| = {d1:.2e}, vs 3x3 = {d2:.2e}")
+    assert max(float(g.abs().max()) for g in big.values()) > 1e-3  # gradients are not trivially zero
+    assert d1 < 1e-5 and d2 < 1e-5
+
+
+def test_the_loop_gives_the_same_weights_for_k_by_1_and_1_by_k(tmp_path):
+    rows = cls_rows(48, seed=3)
+    out = {}
+    for micro, accum in ((4, 1), (1, 4)):
+        model = tiny_classifier()
+        train_model(model, rows, None, tcfg(micro_batch_size=micro, gradient_accumulation_steps=accum,
+                                            max_steps=6, optimizer="adamw_torch", max_grad_norm=1.0),
+                    "seq_cls", PAD, tmp_path / f"out{micro}", tmp_path / f"work{micro}", log)
+        out[micro] = trainable(model)
+    d = max_diff(out[4], out[1])
+    print(f"weights after 6 steps, 4x1 vs 1x4: max abs diff {d:.2e}")
+    assert d < 1e-5
+
+
+def test_loss_falls_and_the_artifact_has_metrics_tensorboard_and_plot(tmp_path, caplog):
+    rows, val = cls_rows(128, seed=4), cls_rows(32, seed=5)
+    model = tiny_classifier()
+    with caplog.at_level(logging.INFO, logger="test.train"):
+        m = train_model(model, rows, val, tcfg(micro_batch_size=8, gradient_accumulation_steps=2, epochs=5,
+                                               lr=3e-3, lr_scheduler="cosine", warmup_steps=4,
+                                               weight_decay=0.01, checkpoint_every=10, keep_checkpoints=2),
+                        "seq_cls", PAD, tmp_path / "out", tmp_path / "work", log)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    train = [x["loss"] for x in lines if x["kind"] == "train"]
+    assert m["steps"] == len(train) == 40
+    first, last = sum(train[:5]) / 5, sum(train[-5:]) / 5
+    print(f"loss {first:.4f} -> {last:.4f}; validation {m['validation']}")
+    assert last < 0.7 * first
+    assert len(m["validation"]) == 5 and m["validation"][-1]["val_accuracy"] > 0.8
+    assert 0 < m["padding_share"] < 0.25 and m["real_tokens"] < m["padded_tokens"] and m["tokens_per_s"] > 0
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
+    assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [30, 40]
+    assert any("Epoch: 005 | Batch 0008/0008 | Step 0040/0040 | Loss:" in r.message for r in caplog.records)
+
+
+def test_seq2seq_loss_falls(tmp_path):
+    model = tiny_t5()
+    m = train_model(model, s2s_rows(64, seed=6), s2s_rows(16, seed=7),
+                    tcfg(micro_batch_size=4, gradient_accumulation_steps=2, epochs=4, lr=1e-2),
+                    "seq2seq", PAD, tmp_path / "out", tmp_path / "work", log)
+    assert m["final_loss"] < 0.8 * m["first_loss"]
+    assert len(m["validation"]) == 4 and all(v["val_loss"] > 0 for v in m["validation"])  # token-mean loss
+
+
+def test_oom_halves_the_micro_batch_and_keeps_the_effective_batch(tmp_path, caplog):
+    """An injected CUDA OOM for micro-batches over 2 rows: 8x1 -> 4x2 -> 2x4, and the result equals a 2x4 run."""
+    rows = cls_rows(32, seed=8)
+    model = tiny_classifier()
+    real_forward = model.forward
+
+    def forward(*a, **kw):
+        if kw["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real_forward(*a, **kw)
+
+    model.forward = forward
+    with caplog.at_level(logging.WARNING, logger="test.train"):
+        m = train_model(model, rows, None, tcfg(micro_batch_size=8, max_steps=4), "seq_cls", PAD,
+                        tmp_path / "o1", tmp_path / "w1", log)
+    msgs = [r.message for r in caplog.records if "out of memory" in r.message]
+    assert len(msgs) == 2 and "micro-batch 8 -> 4, accumulation 1 -> 2" in msgs[0]
+    assert "micro-batch 4 -> 2, accumulation 2 -> 4 (effective batch 8 unchanged)" in msgs[1]
+    assert m["micro_batch_size"] == 2 and m["gradient_accumulation_steps"] == 4 and m["steps"] == 4
+    ref = tiny_classifier()
+    train_model(ref, rows, None, tcfg(micro_batch_size=2, gradient_accumulation_steps=4, max_steps=4), "seq_cls",
+                PAD, tmp_path / "o2", tmp_path / "w2", log)
+    model.forward = real_forward
+    assert max_diff(trainable(model), trainable(ref)) < 1e-5
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw_8bit", "paged_adamw_8bit"])
+def test_optimizers_train_and_paged_falls_back_once_on_cpu(tmp_path, caplog, optimizer):
+    model = tiny_classifier()
+    before = trainable(model)
+    with caplog.at_level(logging.WARNING, logger="test.train"):
+        train_model(model, cls_rows(16), None, tcfg(micro_batch_size=4, max_steps=3, optimizer=optimizer,
+                                                    gradient_checkpointing=True, checkpoint_every=2),
+                    "seq_cls", PAD, tmp_path / "o", tmp_path / "w", log)
+    assert max_diff(before, trainable(model)) > 1e-4
+    fallbacks = [r for r in caplog.records if "paging needs CUDA" in r.message]
+    assert len(fallbacks) == (1 if optimizer == "paged_adamw_8bit" else 0)
+
+
+def test_lr_schedules():
+    assert [lr_factor(s, "constant", 2, 10) for s in (0, 1, 2, 9)] == [0.0, 0.5, 1.0, 1.0]
+    assert lr_factor(6, "linear", 2, 10) == pytest.approx(0.5)
+    assert lr_factor(6, "cosine", 2, 10) == pytest.approx(0.5)
+    assert lr_factor(10, "cosine", 2, 10) == pytest.approx(0.0)
+
+
+def test_causal_lm_loss_counts_target_tokens_only():
+    from stages.train import loss_units
+
+    b = collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}],
+                PAD, "causal_lm")
+    assert loss_units(b, "causal_lm") == 3
