@@ -18,7 +18,8 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
         setup_logging()
         from flows.finetune import finetune
 
-        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, return_state=True)
+        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
+                         return_state=True)
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
             return 2

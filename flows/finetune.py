@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
+import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
 from stages.cli import describe
 from stages.config import PipelineConfig, load_pipeline, store_root
 from stages.errors import FinetuneError
@@ -64,7 +64,7 @@ STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in sta
 
 @flow(name="finetune", log_prints=True)
 def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None, only: str | None = None,
-             force: list[str] | None = None, verify: bool = False) -> list[dict[str, Any]]:
+             force: list[str] | None = None, verify: bool = False, until: str | None = None) -> list[dict[str, Any]]:
     """Run a named pipeline of pipeline.yaml. overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     cfg = load_pipeline(pipeline, overrides)
     force = force or []
@@ -86,6 +86,8 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
         summary.append({"stage": name, "key": outcome.key, "path": str(outcome.path),
                         "computed": outcome.computed, "state": state.name,
                         "duration_s": outcome.manifest.get("duration_s")})
+        if name == until:
+            break
     return summary
 
 

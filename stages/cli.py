@@ -24,6 +24,7 @@ def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentP
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
     p.add_argument("--only", metavar="STAGE", help="run only this stage, reading its upstream from the store")
+    p.add_argument("--until", metavar="STAGE", help="stop after this stage")
     p.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage")
     p.add_argument("--verify", action="store_true", help="check full sha256 of cached artifacts, not just sizes")
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
@@ -35,6 +36,8 @@ def load_args(args: argparse.Namespace) -> PipelineConfig:
     check_stage_names(args.force, "--force")
     if args.only:
         check_stage_names([args.only], "--only")
+    if args.until:
+        check_stage_names([args.until], "--until")
     return cfg
 
 
@@ -71,8 +74,8 @@ def main_plain(argv: list[str] | None = None) -> int:
         cfg = load_args(args)
         setup_logging()
         store = Store(store_root())
-        print(f"pipeline {cfg.name} -> store {store.root}")
-        run_pipeline(cfg, store, only=args.only, force=args.force, verify=args.verify,
+        print(f"pipeline {cfg.name} ({Path(__file__).parent}) -> store {store.root}", flush=True)
+        run_pipeline(cfg, store, only=args.only, until=args.until, force=args.force, verify=args.verify,
                      on_outcome=lambda o: print(describe(o), flush=True))
 
     return guarded(go)

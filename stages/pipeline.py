@@ -155,7 +155,8 @@ def upstream_for_only(items: list[Planned], only: str, store: Store, verify: boo
     return done
 
 
-def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, force: Iterable[str] = (),
+def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, until: str | None = None,
+                 force: Iterable[str] = (),
                  verify: bool = False, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
     force = set(force)
     check_stage_names(force, "--force")
@@ -173,6 +174,8 @@ def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, 
         results.append(outcome)
         if on_outcome:
             on_outcome(outcome)
+        if name == until:
+            break
     return results
 
 

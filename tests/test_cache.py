@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from helpers import computed, needs_shared_data, run
+import helpers
+from helpers import computed, needs_shared_data
 
 from stages.config import load_pipeline, store_root
 from stages.pipeline import plan
@@ -12,6 +13,12 @@ from stages.store import Store
 
 pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)
+
+
+def run(pipeline: str, *sets: str, **kw):
+    """The store's behaviour on the first two stages (fast); later stages have their own tests."""
+    kw.setdefault("until", "tokenize")
+    return helpers.run(pipeline, *sets, **kw)
 
 
 def test_second_run_executes_no_stage_body(store_dir):
