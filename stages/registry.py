@@ -3,7 +3,7 @@ Stages that do not exist yet are simply not listed; every pipeline runs this cha
 
 from __future__ import annotations
 
-from stages import adapters, data, model, tokenize
+from stages import adapters, data, model, tokenize, train
 from stages.hf import tokenizer_files
 from stages.pipeline import Stage
 
@@ -37,5 +37,12 @@ STAGES: list[Stage] = [
         reads=("adapters",),
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+    ),
+    Stage(
+        name="train",
+        body=train.run,
+        reads=("train", "model.task"),
+        upstream=("tokenize", "model", "adapters"),
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
 ]

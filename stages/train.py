@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from stages import adapters
 from stages.batching import IGNORE_INDEX, Batch, collate, epoch_batches, split_micro
 from stages.checkpoint import TrainingProgress, latest_checkpoint, load_checkpoint, save_checkpoint
 from stages.errors import ConfigError, MissingInputError
@@ -163,6 +164,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, log: logging.Logger) -> None:
+    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(model, flag, False):  # load_trainable already did (k-bit preparation)
+        return
     # transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable
     if (enable := getattr(model, "activation_checkpointing_enable", None)) is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -431,14 +435,17 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
                          "padding %.1f%%", progress.epoch + 1, progress.batches_done, len(epoch_plan),
                          progress.step, total_steps, loss, lr, tok_s,
                          100 * (1 - progress.real_tokens / max(progress.padded_tokens, 1)))
-            if progress.batches_done == len(epoch_plan):
-                validate()  # epoch end
+            epoch_end = progress.batches_done == len(epoch_plan)
+            if epoch_end:
+                validate()
                 progress.epoch += 1
                 progress.batches_done = 0
             if progress.step % tcfg.checkpoint_every == 0 or progress.step == total_steps:
                 checkpoint()
             if on_step is not None:
                 on_step(progress.step, loss)
+            if epoch_end:
+                break  # the next epoch has its own order
     bar.close()
     if progress.batches_done and (not progress.history or progress.history[-1]["step"] != progress.step):
         validate()  # a fractional last epoch still gets a validation
@@ -474,44 +481,47 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
 
 # ====================================================================== the stage
 
-def save_trained(model: torch.nn.Module, folder: Path) -> None:
+def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
     """LoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json, modules_to_save included);
-    full: the whole model's save_pretrained (safetensors)."""
+    full: the whole model's save_pretrained (safetensors) plus the model stage's load info, so
+    `stages.model.load_model` reads it like a model artifact."""
+    from stages.model import LOAD_INFO, hf_dir
+
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
+    if not (folder / "adapter_config.json").is_file():
+        shutil.copy2(hf_dir(model_dir) / LOAD_INFO, folder / LOAD_INFO)
 
 
 def run(ctx: Any) -> dict[str, Any]:
     import datasets
     from transformers import AutoTokenizer
 
-    from stages.adapters import load_trainable
-
-    task = ctx.cfg.model.task
+    task, tcfg = ctx.cfg.model.task, ctx.cfg.train
     tok_dir = ctx.upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     pad_id = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer")).pad_token_id
-    model = load_trainable(ctx.upstream["model"] / "model", ctx.upstream["adapters"] / "adapter")
-    metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, ctx.cfg.train,
-                          task, pad_id, ctx.out_dir, ctx.work_dir, ctx.log)
-    save_trained(model, ctx.out_dir / "trained")
+    model = adapters.load_trainable(ctx.upstream["model"], ctx.upstream["adapters"],
+                                    gradient_checkpointing=tcfg.gradient_checkpointing)
+    metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
+                          pad_id, ctx.out_dir, ctx.work_dir, ctx.log)
+    save_trained(model, ctx.out_dir / "trained", ctx.upstream["model"])
     return metrics
 
 
 def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
-    """The trained model for the evaluate/export stages: the base model (from the model stage) with the
-    trained LoRA adapter, or the trained full model. `adapters_dir` is kept for symmetry with
-    load_trainable (the adapter's config is saved again with the trained weights)."""
+    """The trained model for the evaluate/export stages (eval mode): the model stage's base with the
+    trained LoRA adapter, or the trained full model. `adapters_dir` is accepted for symmetry with
+    load_trainable (the trained adapter carries its own config)."""
+    from stages.model import load_model
+
     trained = Path(train_dir) / "trained"
     if (trained / "adapter_config.json").is_file():
         from peft import PeftModel
 
-        from stages.model import load_model
-
-        return PeftModel.from_pretrained(load_model(Path(model_dir)), str(trained), is_trainable=False)
-    if not (trained / "config.json").is_file():
+        model = PeftModel.from_pretrained(load_model(Path(model_dir)), str(trained), is_trainable=False)
+    elif (trained / "config.json").is_file():
+        model = load_model(trained)
+    else:
         raise MissingInputError(f"{trained}: neither a PEFT adapter nor a saved model; rerun the train stage")
-    import transformers
-
-    arch = json.loads((trained / "config.json").read_text())["architectures"][0]
-    return getattr(transformers, arch).from_pretrained(str(trained))
+    return model.eval()

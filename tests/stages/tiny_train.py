@@ -13,12 +13,12 @@ VOCAB = 64
 PAD = 0
 
 
-def tiny_classifier(seed: int = 0) -> torch.nn.Module:
+def tiny_classifier(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     from transformers import BloomConfig, BloomForSequenceClassification
 
     torch.manual_seed(seed)
     cfg = BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB, pad_token_id=PAD, num_labels=2,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+                      hidden_dropout=dropout, attention_dropout=dropout)
     return BloomForSequenceClassification(cfg)
 
 

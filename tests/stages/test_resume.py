@@ -1,0 +1,127 @@
+"""Resume after a crash: `kill -9` at a random step, rerun, same final weights as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
+
+from stages.checkpoint import checkpoints, latest_checkpoint
+from stages.train import train_model
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+log = logging.getLogger("test.resume")
+STEPS = 24  # 96 rows / effective batch 8 = 12 steps per epoch, 2 epochs
+
+
+def settings(**kw):
+    base = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "epochs": 2, "checkpoint_every": 3,
+            "keep_checkpoints": 2, "lr_scheduler": "linear", "warmup_steps": 2, "max_grad_norm": 1.0}
+    return tcfg(**{**base, **kw})
+
+
+def train(work: Path, out: Path, on_step=None, **kw) -> tuple[dict, dict]:
+    # dropout on, so the resumed run only matches if the RNG state was restored too
+    model = tiny_classifier(dropout=0.1)
+    m = train_model(model, cls_rows(96, seed=11), cls_rows(16, seed=12), settings(**kw), "seq_cls", PAD, out, work,
+                    log, on_step=on_step)
+    return m, trainable(model)
+
+
+def child(work: str, out: str) -> None:
+    """Run in a subprocess: train, printing each finished step, slowly enough to be killed mid-run."""
+    torch.set_num_threads(1)
+
+    def on_step(step, loss):
+        print(f"STEP {step}", flush=True)
+        time.sleep(0.15)
+
+    train(Path(work), Path(out), on_step)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    torch.set_num_threads(1)  # the same threads as the child, so the same float sums
+    d = tmp_path_factory.mktemp("ref")
+    return train(d / "work", d / "out")
+
+
+@pytest.mark.parametrize("trial", [0, 1, 2])
+def test_kill_9_at_a_random_step_then_rerun_resumes_and_matches(trial, reference, tmp_path, caplog):
+    ref_metrics, ref_weights = reference
+    # a random step that is not a checkpoint step, so the rerun must redo steps the killed run had done
+    kill_at = random.Random(1000 + trial).choice([s for s in range(2, STEPS - 2) if s % 3])
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    proc = subprocess.Popen([sys.executable, "-c", f"from test_resume import child; child({str(work)!r}, {str(out)!r})"],
+                            cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("STEP"):
+                seen.append(int(line.split()[1]))
+                if seen[-1] >= kill_at:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"child ended on its own: {seen}"
+    last = latest_checkpoint(work / "checkpoints")
+    assert last is not None and not (out / "metrics.jsonl").exists()
+    ckpt_step = int(last.name.split("-")[1])
+
+    torch.set_num_threads(1)
+    with caplog.at_level(logging.INFO, logger="test.resume"):
+        m, weights = train(work, out)
+    resumed = [r.message for r in caplog.records if "resumed from step" in r.message]
+    diff = max_diff(ref_weights, weights)
+    print(f"trial {trial}: killed after step {seen[-1]} (target {kill_at}), resumed from step {ckpt_step}, "
+          f"max |w - w_uninterrupted| = {diff:.2e}")
+    assert len(resumed) == 1 and f"resumed from step {ckpt_step} " in resumed[0]
+    assert m["resumed_from_step"] == ckpt_step and 0 < ckpt_step < seen[-1]
+    assert diff <= 1e-6
+    assert m["validation"] == ref_metrics["validation"] and m["real_tokens"] == ref_metrics["real_tokens"]
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert steps == list(range(1, STEPS + 1))  # nothing lost or doubled across the kill
+
+
+def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog):
+    """bitsandbytes optimizer state round-trips through the weights_only checkpoint."""
+    kw = {"optimizer": "adamw_8bit", "checkpoint_every": 2, "max_steps": 6}
+    _, ref = train(tmp_path / "w0", tmp_path / "o0", **kw)
+
+    def crash(step, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "w1", tmp_path / "o1", crash, **kw)
+    with caplog.at_level(logging.INFO, logger="test.resume"):
+        _, got = train(tmp_path / "w1", tmp_path / "o1", **kw)
+    assert any("resumed from step 2 " in r.message for r in caplog.records)
+    assert max_diff(ref, got) <= 1e-6
+    state = torch.load(latest_checkpoint(tmp_path / "w1" / "checkpoints") / "state.pt", weights_only=True)
+    assert {"optimizer", "scheduler", "scaler", "rng"} <= state.keys()
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-000004").mkdir(parents=True)
+    (root / "step-000004" / "progress.json").write_text("{}")
+    (root / "step-000009").mkdir()  # killed before progress.json: not a checkpoint
+    (root / ".tmp-abc").mkdir()
+    assert [s for s, _ in checkpoints(root)] == [4]
+    assert latest_checkpoint(root).name == "step-000004"
