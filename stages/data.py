@@ -208,10 +208,11 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFra
     return out
 
 
-def _carve(df: pd.DataFrame, size: int | float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _carve(df: pd.DataFrame, size: int | float, seed: int, what: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     n = int(round(size * len(df))) if isinstance(size, float) and size < 1 else int(size)
     if n >= len(df):
-        raise DataError(f"cannot carve {n} rows out of {len(df)}; lower data.split sizes")
+        raise DataError(f"data.split.{what} asks for {n} rows but train has only {len(df)}; lower it or give "
+                        f"a fraction below 1")
     perm = df.sample(frac=1, random_state=seed)
     return perm.iloc[n:].sort_index(), perm.iloc[:n].sort_index()
 
@@ -234,10 +235,10 @@ def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
         train = frames["train"]
         test = frames.get("test")
         if test is None and sp.test:
-            train, test = _carve(train, sp.test, sp.seed)
+            train, test = _carve(train, sp.test, sp.seed, "test")
         val = frames.get("validation")
         if val is None and sp.validation:
-            train, val = _carve(train, sp.validation, sp.seed + 1)
+            train, val = _carve(train, sp.validation, sp.seed + 1, "validation")
         out = {"train": train, "validation": val, "test": test}
         out = {k: v for k, v in out.items() if v is not None}
     if cfg.data.subset:

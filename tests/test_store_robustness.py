@@ -7,7 +7,6 @@ import random
 import shutil
 import signal
 import time
-from pathlib import Path
 
 from helpers import ROOT, needs_shared_data, spawn
 

@@ -1,0 +1,192 @@
+"""Data stage on the real mirror, local formats, and bad input."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from helpers import SHARED_DATA, needs_shared_data, run
+
+from stages import data as data_stage
+from stages.config import load_pipeline
+from stages.errors import DataError, HubUnreachableError, MissingInputError
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def imdb_full(tmp_path_factory):
+    """The article's full IMDB split + tokenize on the real 50k reviews, computed once for this module."""
+    old = os.environ.get("FINETUNE_STORE")
+    os.environ["FINETUNE_STORE"] = str(tmp_path_factory.mktemp("imdb") / "store")
+    try:
+        yield run("tiny-imdb", "data.subset=null", "tokenize.max_length=1024", until="tokenize")
+    finally:
+        if old is None:
+            os.environ.pop("FINETUNE_STORE")
+        else:
+            os.environ["FINETUNE_STORE"] = old
+
+
+@needs_shared_data
+def test_imdb_split_reproduces_the_article(imdb_full, store_dir):
+    o = imdb_full["data"]
+    assert o.manifest["metrics"]["rows"] == {"train": 35000, "validation": 5000, "test": 10000}
+    # independent computation of the article's split
+    frames = [pd.read_csv(SHARED_DATA / "imdb" / f"{s}.csv.gz", keep_default_na=False) for s in ("test", "train")]
+    df = pd.concat(frames, ignore_index=True).sample(frac=1, random_state=1).reset_index(drop=True)
+    for split_name, (a, b) in {"train": (0, 35000), "validation": (35000, 40000), "test": (40000, 50000)}.items():
+        table = data_stage.read_split(o.path, split_name).to_pandas()
+        assert table["text"].tolist() == df["text"].iloc[a:b].tolist()
+        assert table["label"].tolist() == df["label"].iloc[a:b].tolist()
+    # byte-identical when recomputed in another store
+    again = run("tiny-imdb", "data.subset=null", "tokenize.max_length=1024", until="data")["data"]
+    assert again.computed and again.path != o.path
+    for split_name in ("train", "validation", "test"):
+        assert sha(again.path / f"{split_name}.arrow") == sha(o.path / f"{split_name}.arrow")
+
+
+@needs_shared_data
+def test_tokenize_records_length_stats_on_real_imdb(imdb_full):
+    m = imdb_full["tokenize"].manifest["metrics"]["lengths"]
+    for split_name, rows in {"train": 35000, "validation": 5000, "test": 10000}.items():
+        s = m[split_name]["input"]
+        assert s["count"] == rows
+        assert 200 < s["mean"] < 400 and s["p50"] < s["p95"] <= s["max"] == 1024
+        assert 0.01 < s["truncated_share"] < 0.2 and s["untruncated_max"] > 1024
+    import datasets
+
+    ds = datasets.load_from_disk(str(imdb_full["tokenize"].path / "dataset"))
+    lengths = [len(x) for x in ds["validation"]["input_ids"][:500]]
+    assert max(lengths) <= 1024 and len(set(lengths)) > 100  # stored unpadded
+
+
+@needs_shared_data
+def test_billsum_mirror_keeps_source_train_and_carves_validation_and_test(store_dir):
+    o = run("tiny-billsum", until="tokenize")
+    assert o["data"].manifest["metrics"]["rows"] == {"train": 70, "validation": 10, "test": 20}
+    t = data_stage.read_split(o["data"].path, "test").to_pandas()
+    assert set(t.columns) == {"id", "text", "target"} and t["target"].str.len().min() > 0
+    targets = o["tokenize"].manifest["metrics"]["lengths"]["train"]["target"]
+    assert targets["max"] <= 64 and targets["count"] == 70
+    import datasets
+
+    ds = datasets.load_from_disk(str(o["tokenize"].path / "dataset"))
+    tok_dir = o["tokenize"].path / "tokenizer"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert tok.decode(ds["train"][0]["input_ids"], skip_special_tokens=True).startswith("summarize :")
+
+
+# ------------------------------------------------------------- local formats and errors
+
+
+def write_local(tmp_path: Path, kind: str) -> Path:
+    df = pd.DataFrame({"review": [f"review number {i} " * (i % 5 + 1) for i in range(30)],
+                       "sentiment": [i % 2 for i in range(30)]})
+    if kind == "csv":
+        p = tmp_path / "reviews.csv"
+        df.to_csv(p, index=False)
+    elif kind == "jsonl":
+        p = tmp_path / "reviews.jsonl"
+        df.to_json(p, orient="records", lines=True)
+    elif kind == "parquet":
+        p = tmp_path / "reviews.parquet"
+        df.to_parquet(p)
+    elif kind == "folder":
+        p = tmp_path / "splits"
+        p.mkdir()
+        df.iloc[:20].to_csv(p / "train.csv", index=False)
+        with gzip.open(p / "test.csv.gz", "wt") as f:
+            df.iloc[20:].to_csv(f, index=False)
+    return p
+
+
+LOCAL = ["data.source=local", "data.text_column=review", "data.label_column=sentiment",
+         "data.split={mode: source, seed: 3, validation: 4, test: 6}", "data.subset=null"]
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet", "folder"])
+def test_local_files(tmp_path, store_dir, kind):
+    path = write_local(tmp_path, kind)
+    o = run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")["data"]
+    rows = o.manifest["metrics"]["rows"]
+    assert rows == ({"train": 16, "validation": 4, "test": 10} if kind == "folder"
+                    else {"train": 20, "validation": 4, "test": 6})
+    assert any(k.endswith(path.name) or k.startswith(path.name) for k in
+               o.manifest["key_inputs"]["inputs"])  # the file's content is in the key
+    # editing the file changes the key
+    if kind == "csv":
+        path.write_text(path.read_text().replace("review number 3", "review number three"))
+        o2 = run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")["data"]
+        assert o2.computed and o2.key != o.key
+
+
+def make_acl(root: Path) -> None:
+    for split in ("train", "test"):
+        for label in ("pos", "neg"):
+            d = root / split / label
+            d.mkdir(parents=True)
+            for i in (10, 2, 1):
+                (d / f"{i}_{7 if label == 'pos' else 2}.txt").write_text(f"{split} {label} review {i}")
+
+
+def test_acl_imdb_folder_and_tarball_keep_article_order(tmp_path, store_dir):
+    make_acl(tmp_path / "aclImdb")
+    with tarfile.open(tmp_path / "aclImdb_v1.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "aclImdb", arcname="aclImdb")
+    sets = ["data.source=local", "data.split={mode: shuffle_concat, seed: 1, train: 6, validation: 2, test: 4}",
+            "data.subset=null"]
+    outs = []
+    for path in (tmp_path / "aclImdb", tmp_path / "aclImdb_v1.tar.gz"):
+        frames = data_stage._read_local(path)
+        assert frames["test"]["id"].tolist()[:3] == ["test/pos/10_7.txt", "test/pos/1_7.txt", "test/pos/2_7.txt"]
+        assert frames["test"]["label"].tolist() == [1, 1, 1, 0, 0, 0]
+        outs.append(run("tiny-imdb", *sets, f"data.path={path}", until="data")["data"])
+    assert outs[0].manifest["digest"] == outs[1].manifest["digest"]
+
+
+@pytest.mark.parametrize("sets,error,message", [
+    (["data.text_column=body"], MissingInputError, "split has no column 'body' (columns: review, sentiment); set data.text_column"),
+    (["model.num_labels=2", "data.label_column=review"], DataError, "label(s) outside 0..1"),
+    (["data.split={mode: source, seed: 3, test: 2, validation: 28}"], DataError,
+     "data.split.validation asks for 28 rows but train has only 28; lower it"),
+    (["data.path=/nonexistent/reviews.csv"], MissingInputError, "data.path /nonexistent/reviews.csv: no such file"),
+])
+def test_bad_local_data_is_a_clear_error_and_writes_nothing(tmp_path, store_dir, sets, error, message):
+    path = write_local(tmp_path, "csv")
+    with pytest.raises(error) as exc:
+        run("tiny-imdb", *LOCAL, f"data.path={path}", *sets, until="data")
+    assert message in str(exc.value)
+    assert not (store_dir / "data").exists()
+
+
+def test_empty_split_is_an_error(tmp_path, store_dir):
+    p = tmp_path / "s"
+    p.mkdir()
+    pd.DataFrame({"review": ["a", "b"], "sentiment": [0, 1]}).to_csv(p / "train.csv", index=False)
+    pd.DataFrame({"review": [], "sentiment": []}).to_csv(p / "test.csv", index=False)
+    with pytest.raises(DataError, match="split 'test' is empty"):
+        run("tiny-imdb", *LOCAL, f"data.path={p}", "data.split={mode: source, seed: 1, validation: 0, test: 0}", until="data")
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_hub_unreachable_fails_within_a_second_with_the_fix(store_dir, monkeypatch, env):
+    monkeypatch.setenv("FINETUNE_DATA_MIRROR", "")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_pipeline("tiny-imdb", ["data.mirror=null"])
+    t0 = time.monotonic()
+    with pytest.raises(HubUnreachableError) as exc:
+        data_stage.load_source(cfg)
+    assert time.monotonic() - t0 < 1.5
+    assert "dataset stanfordnlp/imdb" in str(exc.value) and "FINETUNE_DATA_MIRROR" in str(exc.value)
