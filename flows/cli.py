@@ -7,6 +7,7 @@ import sys
 
 from stages.cli import guarded, load_args, parser, setup_logging
 from stages.config import store_root
+from stages.pipeline import plan
 
 
 def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> int:
@@ -14,7 +15,7 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
     args = parser(f"python -m {spec.name}" if spec else "finetune", default_pipeline).parse_args(argv)
 
     def go() -> int:
-        load_args(args)
+        plan(load_args(args))  # config and input files checked before Prefect starts
         setup_logging()
         from flows.finetune import finetune
 
