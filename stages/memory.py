@@ -5,7 +5,8 @@ The estimate walks the model built on the `meta` device (shapes and dtypes, no s
 every parameter the way bitsandbytes and PEFT will store it:
 
   weights          what `get_memory_footprint()` will report: quantized Linear weights at 4 or 8 bits,
-                   modules kept in fp32 (T5's `wo`), everything else in the load dtype, plus buffers
+                   modules kept in fp32 (T5's `wo` when loading in fp16: transformers 5 keeps them in
+                   the load dtype for bf16), everything else in the load dtype, plus buffers
   quant_constants  bitsandbytes' per-block scales (absmax, double-quant second level; 8-bit row scales),
                    which live in the layers' quant_state and which `get_memory_footprint()` does not count
   adapters         LoRA A/B in fp32, modules_to_save copies, and the fp32 upcast that
@@ -46,7 +47,9 @@ class QuantPlan:
     double_quant: bool = False
     dtype: torch.dtype = torch.float32  # dtype of everything not quantized
     skip: tuple[str, ...] = ()  # never quantized (heads, tied embeddings, user skip_modules)
-    keep_fp32: tuple[str, ...] = ()  # the model's _keep_in_fp32_modules (stay fp32, not quantized)
+    keep: tuple[str, ...] = ()  # the model's _keep_in_fp32_modules: bitsandbytes leaves them unquantized
+    keep_fp32: tuple[str, ...] = ()  # modules stored in fp32 whatever the dtype (transformers 5: `keep` only
+    # when loading in fp16, `_keep_in_fp32_modules_strict` in fp16 and bf16)
 
 
 @dataclass
@@ -101,7 +104,8 @@ def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
             continue
         is_linear = type(module) is nn.Linear
         kept = _matches(name, plan.keep_fp32)
-        quantize = plan.mode != "none" and is_linear and not kept and not _matches(name, plan.skip)
+        quantize = (plan.mode != "none" and is_linear and not _matches(name, plan.skip)
+                    and not _matches(name, plan.keep))
         for pname, p in own:
             priced.add(id(p))
             n = p.numel()
@@ -118,7 +122,7 @@ def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
                 else:  # int8 weight + one fp32 scale per output row
                     est.weights += n
                     est.quant_constants += 4 * p.shape[0]
-            elif kept and (plan.mode != "none" or plan.dtype != torch.float32):
+            elif kept:
                 est.fp32_kept_params += n
                 est.weights += 4 * n
             else:

@@ -99,9 +99,13 @@ def meta_and_plan(m: Any, q: Any, config: Any) -> tuple[nn.Module, memory.QuantP
 
     dtype = param_dtype(m, q)
     meta = meta_model(m, config, dtype)
-    keep = () if q.quantize_fp32_modules else tuple(sorted(getattr(meta, "_keep_in_fp32_modules", None) or ()))
-    skip = tuple(sorted(set(get_keys_to_not_convert(meta)) | set(HEAD_MODULES) | set(q.skip_modules)))
-    return meta, memory.QuantPlan(q.mode, q.double_quant, dtype, skip, keep)
+    keep = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules", None) or ())
+    strict = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules_strict", None) or ())
+    # transformers 5 upcasts `_keep_in_fp32_modules` only when loading in fp16, the strict ones in fp16 and bf16
+    fp32 = (keep if dtype == torch.float16 else set()) | (strict if dtype != torch.float32 else set())
+    skip = set(get_keys_to_not_convert(meta)) | set(HEAD_MODULES) | set(q.skip_modules)
+    return meta, memory.QuantPlan(q.mode, q.double_quant, dtype, tuple(sorted(skip)), tuple(sorted(keep)),
+                                  tuple(sorted(fp32)))
 
 
 def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
@@ -123,15 +127,16 @@ def fp32_modules_quantized(cls: type, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    saved = cls.__dict__.get("_keep_in_fp32_modules", None), "_keep_in_fp32_modules" in cls.__dict__
-    cls._keep_in_fp32_modules = None
+    # patched where it is defined (T5PreTrainedModel), so sub-models such as T5Stack see it too
+    saved = [(c, a, c.__dict__[a]) for c in cls.__mro__ for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+             if a in c.__dict__]
+    for c, a, _ in saved:
+        setattr(c, a, None)
     try:
         yield
     finally:
-        if saved[1]:
-            cls._keep_in_fp32_modules = saved[0]
-        else:
-            del cls._keep_in_fp32_modules
+        for c, a, v in saved:
+            setattr(c, a, v)
 
 
 def model_files(cfg: Any) -> list[Path]:

@@ -1,0 +1,173 @@
+"""Reproduce the QLoRA article's memory table on t5-3b, built from its config with random weights
+(no download): base fp32 vs NF4 vs QLoRA footprint, total and trainable parameters, reduction
+factor, plus a row that also quantizes the `wo` layers T5 keeps in fp32. Each row shows the estimate
+that stages.memory makes from the config alone beside the measured `get_memory_footprint()`.
+
+    .venv/bin/python bench/memory_table.py            # ~11 GB of RAM at its peak; check `free -g` first
+
+The random checkpoint is cached under bench/out/ (git-ignored; bf16, 5.7 GB: random values lose
+nothing in bf16, and the base row loads it as fp32), so a rerun skips building it. Results also go
+to bench/out/memory_table.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stages import memory  # noqa: E402
+from stages import model as model_stage  # noqa: E402
+from stages.config import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
+
+# T5 v1.0 3B (the t5-3b config on the hub, written out): relu FFN, tied embeddings.
+T5_3B = {"model_type": "t5", "d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24,
+         "num_decoder_layers": 24, "vocab_size": 32128, "feed_forward_proj": "relu", "tie_word_embeddings": True,
+         "relative_attention_num_buckets": 32, "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1}
+ARTICLE = {"base": 11_406_393_344, "nf4": 4_293_910_528, "trainable": 56_492_032}
+MODEL = ModelConfig(name="t5-3b (random, from config)", task="seq2seq", num_labels=None, from_config=T5_3B)
+# The article's load: 4-bit with the rest in fp16 (what load_in_4bit defaulted to), where transformers keeps
+# T5's `wo` in fp32. Loading the rest in bf16, transformers 5 leaves `wo` unquantized but in bf16.
+MODEL_FP16 = MODEL.model_copy(update={"dtype": "float16"})
+MODEL_BF16 = MODEL.model_copy(update={"dtype": "bfloat16"})
+NF4 = QuantizationConfig(mode="4bit", quant_type="nf4", double_quant=True, compute_dtype="bfloat16")
+NF4_WO = NF4.model_copy(update={"quantize_fp32_modules": True})
+LORA = AdaptersConfig(method="lora", r=32, alpha=16, dropout=0.05, target_modules=["v", "o"],
+                      modules_to_save=["lm_head"], bias="none")
+FULL = AdaptersConfig(method="full")
+NONE = QuantizationConfig(mode="none")
+ROWS = [  # (row, model config, quantization, the QLoRA row on top of it)
+    ("NF4 + double quant (fp16 load: wo fp32)", MODEL_FP16, NF4, "QLoRA r=32 on v,o + lm_head"),
+    ("NF4 incl. wo (bf16 compute)", MODEL_FP16, NF4_WO, "QLoRA incl. wo"),
+    ("NF4, bf16 load (transformers 5: wo bf16)", MODEL_BF16, NF4, None),
+]
+
+
+def rss_gb() -> float:
+    return psutil.Process().memory_info().rss / 1e9
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def random_checkpoint(out: Path, config: Any) -> tuple[Path, float]:
+    """bench/out/t5-3b-random: seeded random weights, saved once."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    ckpt = out / "t5-3b-random"
+    if (ckpt / "config.json").is_file() and list(ckpt.glob("*.safetensors")):
+        return ckpt, 0.0
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(ckpt.with_suffix(".tmp"))
+    ckpt.with_suffix(".tmp").rename(ckpt)
+    del model
+    gc.collect()
+    return ckpt, time.perf_counter() - t0
+
+
+def estimate(m: ModelConfig, q: QuantizationConfig, a: AdaptersConfig, config: Any) -> memory.Estimate:
+    meta, plan = model_stage.meta_and_plan(m, q, config)
+    return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
+
+
+def load(ckpt: Path, m: ModelConfig, q: QuantizationConfig, config: Any) -> Any:
+    meta, plan = model_stage.meta_and_plan(m, q, config)
+    cls = type(meta)
+    with model_stage.fp32_modules_quantized(cls, q.quantize_fp32_modules):
+        return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=model_stage.bnb_config(q, plan))
+
+
+def attach_lora(model: Any) -> Any:
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from stages.adapters import lora_config
+
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(0)
+    return get_peft_model(model, lora_config(LORA, "seq2seq"))
+
+
+def row(name: str, model: Any, est_bytes: int, t: float, **extra: Any) -> dict[str, Any]:
+    from stages.adapters import count_parameters
+
+    trainable, total = count_parameters(model)
+    footprint = int(model.get_memory_footprint())
+    r = {"row": name, "footprint": footprint, "estimate": est_bytes, "est_vs_measured": est_bytes / footprint,
+         "total_params": total, "trainable_params": trainable, "quant_state": model_stage.quant_state_bytes(model),
+         "seconds": round(time.perf_counter() - t, 1), "rss_gb": round(rss_gb(), 2), **extra}
+    print(f"  measured {name}: {footprint:,} B in {r['seconds']} s (RSS {r['rss_gb']} GB)", flush=True)
+    return r
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]["footprint"]
+    head = ("| configuration | footprint (bytes) | GB | estimate | est./meas. | total params | trainable | "
+            "trainable % | reduction |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['footprint']:,} | {r['footprint'] / 1e9:.2f} | {r['estimate']:,} | "
+                     f"{r['est_vs_measured']:.4f} | {r['total_params']:,} | {r['trainable_params']:,} | "
+                     f"{100 * r['trainable_params'] / r['total_params']:.2f}% | {base / r['footprint']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="cache and results folder")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_stage._quiet()
+    t_all = time.perf_counter()
+    config = model_stage.hf_config(MODEL)
+    ckpt, built_s = random_checkpoint(args.out, config)
+    how = f"built in {built_s:.0f} s" if built_s else "cached"
+    print(f"random t5-3b checkpoint: {ckpt} ({how})", flush=True)
+    rows = []
+
+    t = time.perf_counter()
+    model = load(ckpt, MODEL, NONE, config)
+    rows.append(row("base (fp32)", model, estimate(MODEL, NONE, FULL, config).footprint, t, article=ARTICLE["base"]))
+    del model
+    gc.collect()
+
+    for name, m, q, lora_name in ROWS:
+        t = time.perf_counter()
+        model = load(ckpt, m, q, config)
+        rows.append(row(name, model, estimate(m, q, FULL, config).footprint, t))
+        if lora_name:
+            t = time.perf_counter()
+            model = attach_lora(model)
+            rows.append(row(lora_name, model, estimate(m, q, LORA, config).training_footprint, t))
+        del model
+        gc.collect()
+
+    wall = time.perf_counter() - t_all
+    print()
+    print(table(rows))
+    base, nf4, qlora = rows[0], rows[1], rows[2]
+    print(f"\nbase vs article {base['footprint'] / ARTICLE['base'] - 1:+.4%}; NF4 vs article "
+          f"{nf4['footprint'] / ARTICLE['nf4'] - 1:+.4%}; trainable {qlora['trainable_params']:,} "
+          f"(article {ARTICLE['trainable']:,}); NF4 reduction {base['footprint'] / nf4['footprint']:.3f}x")
+    print(f"wall time {wall:.0f} s (checkpoint build {built_s:.0f} s), peak RSS {peak_rss_gb():.1f} GB")
+    (args.out / "memory_table.json").write_text(json.dumps(
+        {"rows": rows, "wall_s": round(wall, 1), "build_s": round(built_s, 1), "peak_rss_gb": round(peak_rss_gb(), 2),
+         "config": T5_3B}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
