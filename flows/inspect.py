@@ -1,0 +1,168 @@
+"""Inspect the artifact store without running anything (Prefect is not imported, no stage runs).
+
+    python -m flows.inspect status PIPELINE [--set train.lr=1e-4] [--json]
+    python -m flows.inspect show PIPELINE STAGE       the stage's manifest (JSON)
+    python -m flows.inspect path PIPELINE STAGE       the stage's artifact folder
+    python -m flows.inspect gc [--force] [--keep-refs] [--json]
+
+`status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
+config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
+Exit codes: status 0 when every stage is cached, 1 when one is stale or missing; show/path 1 when the
+stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the artifacts no pipeline's
+current keys reach (dry run) and removes them with --force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import flows  # noqa: F401  (project defaults only; this module never imports prefect)
+from stages.cli import guarded
+from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline, store_root
+from stages.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
+from stages.store import Store
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def human_time(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return iso
+
+
+def fmt_value(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> str:
+    rows = [["stage", "status", "key", "size", "created", "metrics"]]
+    notes: dict[int, list[str]] = {}
+    for s in statuses:
+        key = s.key[:12] if s.status != "stale" else f"{s.key[:12]} (have {(s.artifact_key or '')[:12]})"
+        metrics = " ".join(f"{k}={fmt_value(v)}" for k, v in s.metrics.items())
+        rows.append([s.stage, s.status, key, human_size(s.size_bytes), human_time(s.created), metrics])
+        if s.reasons and s.status != CACHED:
+            notes[len(rows) - 1] = s.reasons
+    table = render_table(rows).splitlines()
+    out = [f"pipeline {pipeline}   store {store.root}", table[0]]
+    for i, line in enumerate(table[1:], start=1):
+        out.append(line)
+        out.extend(f"    {reason}" for reason in notes.get(i, []))
+    stale = sum(s.status != CACHED for s in statuses)
+    out.append(f"{len(statuses) - stale} of {len(statuses)} stages cached" +
+               (f"; {stale} would run" if stale else "; nothing to run"))
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m flows.inspect", description="Inspect the artifact store of "
+                                "pipeline.yaml's pipelines without running anything.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def pipeline_args(sp: argparse.ArgumentParser, stage: bool) -> None:
+        sp.add_argument("pipeline", help="a pipeline name from pipeline.yaml")
+        if stage:
+            sp.add_argument("stage", help="a stage name (data, tokenize, model, adapters, train, ...)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="the config override the run used, e.g. --set train.lr=1e-4 (repeatable)")
+        sp.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+
+    st = sub.add_parser("status", help="each stage: key, cached/stale/missing and why, size, created, metrics")
+    pipeline_args(st, stage=False)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    sh = sub.add_parser("show", help="print a stage's manifest")
+    pipeline_args(sh, stage=True)
+    pa = sub.add_parser("path", help="print a stage's artifact folder")
+    pipeline_args(pa, stage=True)
+    g = sub.add_parser("gc", help="artifacts that no pipeline's current keys reach (dry run unless --force)")
+    g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
+    g.add_argument("--keep-refs", action="store_true", help="also keep what each pipeline last ran "
+                   "(refs/, e.g. runs with overrides)")
+    g.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    store = Store(store_root())
+
+    def go() -> int:
+        if args.command == "gc":
+            return cmd_gc(args, store)
+        cfg = load_pipeline(args.pipeline, args.overrides, args.config)
+        statuses = pipeline_status(cfg, store)
+        if args.command == "status":
+            if args.json:
+                print(json.dumps({"pipeline": cfg.name, "store": str(store.root),
+                                  "stages": [s.to_json() for s in statuses]}, indent=2))
+            else:
+                print(render_status(cfg.name, store, statuses))
+            return 0 if all(s.status == CACHED for s in statuses) else 1
+        s = find(statuses, args.stage)
+        if s.status == MISSING:
+            print(f"{s.stage}: {'; '.join(s.reasons)} (key {s.key[:12]}); run the pipeline first",
+                  file=sys.stderr)
+            return 1
+        if s.status != CACHED:
+            print(f"note: {s.stage} is stale ({'; '.join(s.reasons)}); showing the artifact it would replace",
+                  file=sys.stderr)
+        if args.command == "path":
+            print(s.path)
+        else:
+            print(json.dumps(store.read_manifest(s.stage, s.artifact_key or s.key), indent=2, sort_keys=True))
+        return 0
+
+    return guarded(go)
+
+
+def cmd_gc(args: argparse.Namespace, store: Store) -> int:
+    garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
+    total = sum(g.size_bytes for g in garbage)
+    if args.json:
+        print(json.dumps({"store": str(store.root), "dry_run": not args.force, "total_bytes": total,
+                          "items": [g.__dict__ for g in garbage]}, indent=2))
+        return 0
+    if not garbage:
+        print(f"store {store.root}: every artifact is reachable from a pipeline's current keys; nothing to remove")
+        return 0
+    rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
+    for g in garbage:
+        result = ("removed" if g.removed else g.note) if args.force else ""
+        rows.append([g.kind, g.stage, g.key[:12], human_size(g.size_bytes), result])
+    print(render_table(rows))
+    if args.force:
+        freed = sum(g.size_bytes for g in garbage if g.removed)
+        print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_size(freed)} freed")
+    else:
+        print(f"{len(garbage)} unreachable, {human_size(total)}; dry run: nothing removed "
+              f"(python -m flows.inspect gc --force to remove)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
