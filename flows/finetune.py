@@ -3,6 +3,8 @@ content-addressed store. A stage whose key is already committed finishes in stat
 running its body. Tasks pass artifact paths and manifests, never models or data.
 
     python -m flows.finetune PIPELINE [--set train.lr=1e-4] [--only STAGE] [--force STAGE] [--verify]
+
+Importing this module runs flows/__init__.py first, which sets the project's Prefect defaults.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
-import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
 from stages.cli import describe
-from stages.config import PipelineConfig, load_pipeline, store_root
+from stages.config import PipelineConfig, load_pipeline
 from stages.errors import FinetuneError
 from stages.pipeline import Planned, check_stage_names, plan, run_stage, stage_names, upstream_for_only
-from stages.store import Outcome, Store
+from stages.store import Outcome, Store, open_store
 
 
 def artifact_key(pipeline: str, stage: str) -> str:
@@ -69,7 +70,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     cfg = load_pipeline(pipeline, overrides)
     force = force or []
     check_stage_names(force, "force")
-    store = Store(store_root())
+    store = open_store()
     items = plan(cfg)
     done = upstream_for_only(items, only, store, verify) if only else {}
     summary = []

@@ -66,15 +66,15 @@ def setup_logging() -> None:
 
 def main_plain(argv: list[str] | None = None) -> int:
     from stages.pipeline import run_pipeline
-    from stages.store import Store
+    from stages.store import open_store
 
     args = parser("python -m stages").parse_args(argv)
 
     def go() -> None:
         cfg = load_args(args)
         setup_logging()
-        store = Store(store_root())
-        print(f"pipeline {cfg.name} ({Path(__file__).parent}) -> store {store.root}", flush=True)
+        store = open_store()
+        print(f"pipeline {cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)
         run_pipeline(cfg, store, only=args.only, until=args.until, force=args.force, verify=args.verify,
                      on_outcome=lambda o: print(describe(o), flush=True))
 

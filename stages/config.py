@@ -169,17 +169,22 @@ class TrainConfig(Section):
 
 
 class EvaluateConfig(Section):
-    splits: list[Literal["train", "validation", "test"]] = Field(default_factory=lambda: ["test"])
-    batch_size: int = Field(8, ge=1)
-    max_examples: int | None = Field(None, ge=1)
-    num_beams: int = Field(1, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    length_penalty: float = 1.0
+    splits: list[Literal["train", "validation", "test"]] = Field(
+        default_factory=lambda: ["test"], min_length=1, description="splits to evaluate, each in metrics.json")
+    batch_size: int = Field(8, ge=1, description="rows per forward / generate call (in the key: padding and "
+                            "batched beam search can change generated text at float precision)")
+    max_examples: int | None = Field(None, ge=1, description="evaluate only the first N rows of each split")
+    num_beams: int = Field(1, ge=1, description="1: greedy decoding; more: beam search (seq2seq, causal_lm)")
+    max_new_tokens: int = Field(128, ge=1, description="generation limit per example")
+    length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
+    log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
 
 
 class ExportConfig(Section):
-    merge: bool = False
-    merged_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    merge: bool = Field(False, description="LoRA: also write merged/ (base dequantized to merged_dtype, LoRA "
+                        "merged in, safetensors + tokenizer + config)")
+    merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the merged model's weights (and of a full finetune's model/)")
 
 
 class PipelineConfig(BaseModel):
@@ -197,14 +202,11 @@ class PipelineConfig(BaseModel):
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
 
-    @property
-    def store_root(self) -> Path:
-        return store_root()
 
 
-def store_root() -> Path:
-    """The artifact store: $FINETUNE_STORE, else artifacts/ in the project."""
-    return Path(os.environ.get("FINETUNE_STORE") or PROJECT_ROOT / "artifacts")
+def store_root() -> str:
+    """The artifact store: $FINETUNE_STORE (a path or an fsspec URL), else artifacts/ in the project."""
+    return os.environ.get("FINETUNE_STORE") or str(PROJECT_ROOT / "artifacts")
 
 
 # ---------------------------------------------------------------- loading

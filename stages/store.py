@@ -164,6 +164,9 @@ class Store:
                 if key_dir.is_dir() and len(key_dir.name) == 64:
                     yield stage_dir.name, key_dir.name, key_dir
 
+    def remove(self, stage: str, key: str) -> None:
+        shutil.rmtree(self.artifact_dir(stage, key))
+
     def verify_all(self, full: bool = True) -> dict[str, list[str]]:
         return {f"{s}/{k}": p for s, k, _ in self.entries() if (p := self.problems(s, k, verify=full))}
 
@@ -290,6 +293,21 @@ class Store:
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
+
+
+def open_store(root: str | Path | None = None) -> Store:
+    """The store at root (default: $FINETUNE_STORE or artifacts/): a local path, a file:// URL (the local
+    store), or any other fsspec URL (s3://, gs://, memory://...: see stages/remote_store.py)."""
+    from stages.config import store_root
+
+    raw = str(root if root is not None else store_root())
+    if raw.startswith("file://"):
+        return Store(Path(raw[len("file://"):]))
+    if "://" in raw:
+        from stages.remote_store import RemoteStore
+
+        return RemoteStore(raw)
+    return Store(Path(raw))
 
 
 def _sha(path: Path) -> str:

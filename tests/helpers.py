@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_pipeline, store_root
+from stages.config import load_pipeline
 from stages.pipeline import run_pipeline
-from stages.store import Outcome, Store
+from stages.store import Outcome, open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -22,19 +22,19 @@ needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "imdb" / "train.csv.gz
 
 def run(pipeline: str, *sets: str, **kw) -> dict[str, Outcome]:
     cfg = load_pipeline(pipeline, list(sets))
-    return {o.stage: o for o in run_pipeline(cfg, Store(store_root()), **kw)}
+    return {o.stage: o for o in run_pipeline(cfg, open_store(), **kw)}
 
 
 def computed(outcomes: dict[str, Outcome]) -> set[str]:
     return {name for name, o in outcomes.items() if o.computed}
 
 
-def subprocess_env(store: Path, **extra: str) -> dict[str, str]:
+def subprocess_env(store: Path | str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"FINETUNE_STORE": str(store), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}, **extra)
     return env
 
 
-def spawn(args: list[str], store: Path, cwd: Path = ROOT, **extra: str) -> subprocess.Popen:
+def spawn(args: list[str], store: Path | str, cwd: Path = ROOT, **extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "stages", *args], cwd=cwd, env=subprocess_env(store, **extra),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,6 +8,7 @@ import shutil
 import signal
 import time
 
+import pytest
 from helpers import ROOT, needs_shared_data, spawn
 
 from stages.store import Store
@@ -51,7 +52,8 @@ def test_kill_9_at_random_points_never_leaves_a_cached_partial(tmp_path):
             extra = []
         else:
             extra = ["--force", "data", "--force", "tokenize"]
-        proc = spawn(ARGS + extra, store_root)
+        # every other trial addresses the store as a file:// URL (the shared-store form)
+        proc = spawn(ARGS + extra, f"file://{store_root}" if trial % 4 in (2, 3) else store_root)
         wait_for_line(proc, "-> store")
         delay = rng.uniform(0.05, full * 0.95)
         time.sleep(delay)
@@ -68,9 +70,10 @@ def test_kill_9_at_random_points_never_leaves_a_cached_partial(tmp_path):
     print("kill points (s after start):", kill_points)
 
 
-def test_two_concurrent_runs_compute_each_stage_once(tmp_path):
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_two_concurrent_runs_compute_each_stage_once(tmp_path, scheme):
     store_root = tmp_path / "store"
-    procs = [spawn(ARGS, store_root) for _ in range(2)]
+    procs = [spawn(ARGS, f"{scheme}{store_root}") for _ in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     events = Store(store_root).events()
