@@ -8,7 +8,7 @@ import random
 import pandas as pd
 import pytest
 import torch
-from conftest import SHARED_DATA, needs_shared_data
+from helpers import SHARED_DATA, needs_shared_data
 
 from stages.batching import IGNORE_INDEX, collate, epoch_batches, padding_share, split_micro
 
