@@ -4,6 +4,8 @@ Stages that do not exist yet are simply not listed; every pipeline runs this cha
 from __future__ import annotations
 
 from stages import adapters, data, model, tokenize, train
+from stages import evaluate as evaluate_stage
+from stages import export as export_stage
 from stages.hf import tokenizer_files
 from stages.pipeline import Stage
 
@@ -44,5 +46,22 @@ STAGES: list[Stage] = [
         reads=("train", "model.task"),
         upstream=("tokenize", "model", "adapters"),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
+    ),
+    Stage(
+        name="evaluate",
+        body=evaluate_stage.run,
+        # its own section: changing beams / max_new_tokens / splits reruns this stage only
+        reads=("evaluate", "model.task"),
+        upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "rouge_score"),
+    ),
+    Stage(
+        name="export",
+        body=export_stage.run,
+        # every section the model card prints; all but `export` are upstream's already (no extra reruns).
+        # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export.
+        reads=("name", "description", "data", "tokenize", "model", "quantization", "adapters", "train", "export"),
+        upstream=("tokenize", "model", "adapters", "train"),  # tokenize: the tokenizer shipped with the model
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
 ]

@@ -1,0 +1,204 @@
+"""Evaluate stage: the trained model on the configured split(s).
+
+    classification (seq_cls)  logits -> argmax: accuracy, macro-F1, confusion matrix [true][predicted]
+    summarisation (seq2seq)   batched generation (greedy or beams, max_new_tokens, length_penalty from
+                              the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming (stages.metrics)
+    causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
+
+References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
+labels. Rows are batched in order of length (little padding); predictions are written in split order.
+
+Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
+prediction, reference). The `evaluate` section is its own config section, so changing it reruns only
+this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from stages import metrics
+from stages.batching import IGNORE_INDEX, collate
+from stages.errors import MissingInputError
+from stages.tokenize import special_affixes
+
+
+def device_for(model: torch.nn.Module) -> torch.device:
+    """The GPU when there is one. A model loaded onto it (quantized, device_map) stays where it is."""
+    current = next(model.parameters()).device
+    if current.type != "cpu" or not torch.cuda.is_available():
+        return current
+    model.to("cuda")
+    return torch.device("cuda")
+
+
+def length_order(lengths: list[int]) -> list[int]:
+    """Row indices, longest first (an out-of-memory error shows on the first batch), ties by index."""
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+
+
+def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """Greedy (num_beams 1) or beam search; length_penalty only means something with beams. Generation
+    stops at the token the targets were tokenized to end with (the tokenizer's closing special)."""
+    _, tail = special_affixes(tok)
+    eos = tail[-1] if tail else (tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id)
+    kw: dict[str, Any] = {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": False,
+                          "eos_token_id": eos, "pad_token_id": tok.pad_token_id}
+    if e.num_beams > 1:
+        kw["length_penalty"] = e.length_penalty
+        kw["early_stopping"] = True
+    return kw
+
+
+# ---------------------------------------------------------------- per task
+
+
+@torch.no_grad()
+def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
+             desc: str) -> list[int]:
+    preds: list[int] = [0] * len(rows["input_ids"])
+    order = length_order([len(x) for x in rows["input_ids"]])
+    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
+        idx = order[i:i + batch_size]
+        b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
+                    "seq_cls").to(device)
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+        for j, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
+            preds[j] = int(p)
+    return preds
+
+
+def prompt_of(input_ids: list[int], labels: list[int]) -> list[int]:
+    """causal_lm rows are prompt + target with the prompt's labels masked: the prompt is that prefix."""
+    n = next((k for k, y in enumerate(labels) if y != IGNORE_INDEX), len(labels))
+    return input_ids[:n]
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+             device: torch.device, decoder_only: bool, desc: str) -> tuple[list[str], list[int]]:
+    """Batched generation: (decoded texts, generated token counts), in the order of `prompts`.
+    Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
+    texts: list[str] = [""] * len(prompts)
+    counts: list[int] = [0] * len(prompts)
+    order = length_order([len(p) for p in prompts])
+    pad = tok.pad_token_id
+    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
+        idx = order[i:i + batch_size]
+        width = max(len(prompts[j]) for j in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, j in enumerate(idx):
+            p = torch.as_tensor(prompts[j], dtype=torch.long)
+            if decoder_only:
+                ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
+            else:
+                ids[r, :len(p)], mask[r, :len(p)] = p, 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen)
+        # decoder-only: the prompt comes back first; encoder-decoder: the decoder start token does
+        new = out[:, width:] if decoder_only else out[:, 1:]
+        for r, j in enumerate(idx):
+            seq = [t for t in new[r].tolist() if t != pad]  # finished rows are padded
+            counts[j] = len(seq)
+            texts[j] = tok.decode(seq, skip_special_tokens=True).strip()
+    return texts, counts
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
+               desc: str) -> dict[str, float]:
+    from stages.train import loss_units, summed_loss
+
+    total, units = 0.0, 0
+    order = length_order([len(x) for x in rows["input_ids"]])
+    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
+        idx = order[i:i + batch_size]
+        b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
+                    "causal_lm").to(device)
+        total += float(summed_loss(model, b, "causal_lm"))
+        units += loss_units(b, "causal_lm")
+    loss = total / max(units, 1)
+    return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()), "tokens": units}
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def references(data_dir: Path, split: str, ids: list[str]) -> list[str] | None:
+    """The data stage's target texts for these rows (tokenize keeps row order), or None without targets."""
+    from stages.data import read_split
+
+    table = read_split(data_dir, split)
+    if "target" not in table.column_names:
+        return None
+    data_ids = table.column("id").to_pylist()[:len(ids)]
+    if [str(x) for x in data_ids] != [str(x) for x in ids]:
+        raise MissingInputError(f"evaluate: the tokenize and data artifacts of split {split} disagree on row ids; "
+                                f"rerun with --force tokenize")
+    return table.column("target").to_pylist()[:len(ids)]
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    import datasets
+    from transformers import AutoTokenizer
+
+    from stages.train import load_trained
+
+    e, task = ctx.cfg.evaluate, ctx.cfg.model.task
+    tok_dir = ctx.upstream["tokenize"]
+    ds = datasets.load_from_disk(str(tok_dir / "dataset"))
+    missing = [s for s in e.splits if s not in ds]
+    if missing:
+        raise MissingInputError(f"evaluate.splits {missing}: the data has no such split (it has "
+                                f"{', '.join(ds)}); set evaluate.splits to some of those")
+    tok = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer"))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    model = load_trained(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
+    device = device_for(model)
+    gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
+
+    results: dict[str, Any] = {}
+    with open(ctx.out_dir / "predictions.jsonl", "w") as out:
+        for split in e.splits:
+            part = ds[split]
+            if e.max_examples:
+                part = part.select(range(min(e.max_examples, len(part))))
+            rows = part.to_dict()
+            ids = [str(x) for x in rows["id"]]
+            desc = f"evaluate {split}"
+            if task == "seq_cls":
+                refs = [int(x) for x in rows["labels"]]
+                preds: list[Any] = classify(model, rows, tok.pad_token_id, e.batch_size, device, desc)
+                num_labels = int(model.config.num_labels)
+                results[split] = metrics.classification_metrics(preds, refs, num_labels)
+            else:
+                refs = references(ctx.upstream["data"], split, ids)
+                if refs is None and task == "causal_lm":  # plain language modelling: no targets to compare
+                    results[split] = {"examples": len(ids), **perplexity(model, rows, tok.pad_token_id,
+                                                                         e.batch_size, device, desc)}
+                    continue
+                if refs is None:
+                    raise MissingInputError(f"evaluate {split}: the data has no target texts for ROUGE; set "
+                                            f"data.target_column")
+                prompts = rows["input_ids"] if task == "seq2seq" else [
+                    prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
+                preds, counts = generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm", desc)
+                results[split] = {"examples": len(ids), **metrics.rouge(preds, refs),
+                                  "generated_tokens_mean": sum(counts) / max(len(counts), 1),
+                                  "generated_tokens_max": max(counts, default=0)}
+            for i, p, r in zip(ids, preds, refs, strict=True):
+                out.write(json.dumps({"split": split, "id": i, "prediction": p, "reference": r}) + "\n")
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
+                     if k != "confusion_matrix"}
+            ctx.log.info("evaluate %s: %s", split, shown)
+            for i, p, r in list(zip(ids, preds, refs, strict=True))[:e.log_examples]:
+                ctx.log.info("  %s: predicted %r, reference %r", i, str(p)[:200], str(r)[:200])
+    (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    return {"task": task, "splits": results,
+            "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}
