@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from conftest import needs_shared_data
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
 from stages.batching import collate
@@ -137,3 +138,45 @@ def test_causal_lm_loss_counts_target_tokens_only():
     b = collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}],
                 PAD, "causal_lm")
     assert loss_units(b, "causal_lm") == 3
+
+
+@needs_shared_data
+@pytest.mark.parametrize("pipeline", ["tiny-billsum", "tiny-imdb"])
+def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
+    """The registered stage: LoRA (seq2seq, lm_head in modules_to_save) and full (classifier) artifacts,
+    read back by load_trained with the trained weights; a second run is a cache hit."""
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from helpers import run  # tests/helpers.py
+
+    from stages.train import load_trained
+
+    sets = ("train.max_steps=3", "train.log_every=1")
+    out = run(pipeline, *sets)
+    art = out["train"].path
+    files = {str(p.relative_to(art)) for p in art.rglob("*") if p.is_file()}
+    assert {"metrics.jsonl", "loss.png", "manifest.json"} <= files
+    assert any(f.startswith("tensorboard/events.out.tfevents") for f in files)
+    m = out["train"].manifest["metrics"]
+    assert m["steps"] == 3 and m["real_tokens"] > 0 and m["padded_tokens"] >= m["real_tokens"] and m["tokens_per_s"] > 0
+    model = load_trained(out["model"].path, out["adapters"].path, art)
+    params = dict(model.named_parameters())
+    if pipeline == "tiny-billsum":
+        saved = load_file(str(art / "trained" / "adapter_model.safetensors"))
+        assert any("lm_head" in k for k in saved) and any("lora_A" in k for k in saved)
+        lora = {n: p for n, p in params.items() if "lora_A" in n}
+        assert lora and not any(p.requires_grad for p in params.values())
+        # the loaded adapter is the trained one, not the adapters stage's initial one
+        initial = load_file(str(out["adapters"].path / "adapter" / "adapter_model.safetensors"))
+        assert any(not torch.equal(saved[k], initial[k]) for k in saved if k in initial)
+    else:
+        assert {"model.safetensors", "config.json", "finetune.json"} <= {p.name for p in (art / "trained").iterdir()}
+        saved = load_file(str(art / "trained" / "model.safetensors"))
+        k = next(k for k in saved if k.endswith("score.weight"))
+        assert torch.equal(dict(model.state_dict())[k], saved[k])
+    again = run(pipeline, *sets)
+    assert not again["train"].computed
