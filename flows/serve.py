@@ -1,0 +1,124 @@
+"""Serve the `finetune` flow on a Prefect server: one deployment per pipeline of pipeline.yaml, named
+`finetune/<pipeline>`, whose runs execute in this process's machine (one at a time: one GPU).
+
+    prefect server start --host 127.0.0.1                   # 1. the API and UI: http://127.0.0.1:4200
+    python -m flows.serve                                   # 2. this: registers and serves the deployments
+    prefect deployment run finetune/bloom-imdb --watch      # 3. a run; parameters with -p:
+        -p 'overrides={"train.lr": 1e-4}'  -p only=train  -p 'force=["train"]'  -p until=tokenize  -p verify=true
+
+PREFECT_API_URL, when not set, defaults to http://127.0.0.1:4200/api. Ctrl-C or SIGTERM stops serving
+(a run in progress is cancelled; committed stages stay in the store and the next run reuses them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
+from stages.cli import guarded
+from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names, store_root
+from stages.errors import ConfigError, FinetuneError
+
+DEFAULT_API_URL = "http://127.0.0.1:4200/api"
+
+
+class ServerUnreachableError(FinetuneError):
+    """No Prefect server answers at PREFECT_API_URL."""
+
+
+def wait_for_server(api_url: str, wait_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if httpx.get(f"{api_url.rstrip('/')}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() >= deadline:
+            raise ServerUnreachableError(
+                f"no Prefect server answers at {api_url}; start one with `prefect server start --host 127.0.0.1` "
+                f"or set PREFECT_API_URL (waited {wait_s:.0f} s; --wait SECONDS to wait longer)")
+        time.sleep(1)
+
+
+def deployments(names: list[str], config: Path):
+    """One RunnerDeployment per pipeline; entrypoint flows.finetune.finetune (module path, so the run
+    subprocess imports the project package, not a copy of the file)."""
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.finetune import finetune
+
+    out = []
+    for name in names:
+        cfg = load_pipeline(name, None, config)  # a broken pipeline fails here, before serving anything
+        out.append(finetune.to_deployment(
+            name=name,
+            parameters={"pipeline": name},
+            description=cfg.description or f"the {name} pipeline of pipeline.yaml",
+            tags=["finetune", name],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        ))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flows.serve", description="Serve one `finetune/<pipeline>` "
+                                "deployment per pipeline of pipeline.yaml on a Prefect server.")
+    p.add_argument("pipelines", nargs="*", help="pipelines to serve (default: every pipeline in the file)")
+    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    p.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: one GPU)")
+    p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
+                   help="how long to wait for the Prefect server to answer (default 10)")
+    args = p.parse_args(argv)
+    # SIGTERM = Ctrl-C until Prefect's runner installs its own graceful handler (and after it returns)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+    def go() -> int:
+        available = pipeline_names(args.config)
+        unknown = [n for n in args.pipelines if n not in available]
+        if unknown:
+            raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")
+        names = args.pipelines or available
+        try:
+            return serve_deployments(names, args)
+        except KeyboardInterrupt:
+            print("flows.serve: stopped", flush=True)
+            return 0
+
+    return guarded(go)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
+    from prefect import serve
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api_url = PREFECT_API_URL.value()
+    if api_url:  # from the environment or the active profile
+        ctx = contextlib.nullcontext()
+    else:  # a local `prefect server start`, never an ephemeral server nobody else can reach
+        api_url = os.environ["PREFECT_API_URL"] = DEFAULT_API_URL  # (flow-run subprocesses inherit it)
+        ctx = temporary_settings({PREFECT_API_URL: api_url})
+    with ctx:
+        wait_for_server(api_url, args.wait)
+        deps = deployments(names, args.config)
+        print(f"serving {len(deps)} deployments on {api_url} (UI: {api_url.removesuffix('/api')}); "
+              f"store {store_root()}; Ctrl-C to stop", flush=True)
+        serve(*deps, limit=args.limit)  # returns on Ctrl-C / SIGTERM
+    print("flows.serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
