@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import needs_shared_data
+from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
 from stages.batching import collate
@@ -145,13 +145,7 @@ def test_causal_lm_loss_counts_target_tokens_only():
 def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     """The registered stage: LoRA (seq2seq, lm_head in modules_to_save) and full (classifier) artifacts,
     read back by load_trained with the trained weights; a second run is a cache hit."""
-    import sys
-    from pathlib import Path
-
     from safetensors.torch import load_file
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from helpers import run  # tests/helpers.py
 
     from stages.train import load_trained
 
@@ -180,3 +174,22 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
         assert torch.equal(dict(model.state_dict())[k], saved[k])
     again = run(pipeline, *sets)
     assert not again["train"].computed
+
+
+def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
+    from stages.errors import ConfigError
+    from stages.train import resolve_precision
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_precision("auto", cpu) == "no"  # bf16 matmuls are ~80x slower on these CPUs
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", gpu) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision("auto", gpu) == "fp16"  # + accelerate's grad scaler
+    with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", cpu)
+    monkeypatch.undo()
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(8), None, tcfg(micro_batch_size=4, max_steps=2, mixed_precision="bf16"),
+                    "seq_cls", PAD, tmp_path / "o", tmp_path / "w", log)
+    assert m["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
