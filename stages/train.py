@@ -369,7 +369,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     def validate() -> None:
         if val_rows is None:
             return
-        res = evaluate_loss(model, val_rows, task, pad_id, progress.micro_batch_size, device)
+        res = evaluate_loss(model, val_rows, task, pad_id, 2 * progress.micro_batch_size, device)  # no grads: room
         rec = {"kind": "validation", "step": progress.step, "epoch": progress.epoch + 1, **res}
         progress.history.append(rec)
         runlog.write(rec)
