@@ -28,6 +28,27 @@ from stages.errors import MissingInputError
 from stages.tokenize import special_affixes
 
 
+def exact_cpu_kernels(model: torch.nn.Module) -> int:
+    """bitsandbytes 4-bit layers on a CPU with AVX512-BF16 repack their weights at the first no-grad forward
+    and then compute in bf16 (2-3 significant digits). Keep them on the fp32 dequantize-and-matmul path,
+    the one training used: the metrics are then those of the fp32 model the export stage merges."""
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "support_avx512bf16_for_cpu", False):
+            mod.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
+    """The model this stage evaluates (eval mode): the trained model, fp32 on CPU."""
+    from stages.train import load_trained
+
+    model = load_trained(model_dir, adapters_dir, train_dir)
+    exact_cpu_kernels(model)
+    return model
+
+
 def device_for(model: torch.nn.Module) -> torch.device:
     """The GPU when there is one. A model loaded onto it (quantized, device_map) stays where it is."""
     current = next(model.parameters()).device
@@ -147,8 +168,6 @@ def run(ctx: Any) -> dict[str, Any]:
     import datasets
     from transformers import AutoTokenizer
 
-    from stages.train import load_trained
-
     e, task = ctx.cfg.evaluate, ctx.cfg.model.task
     tok_dir = ctx.upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
@@ -159,7 +178,7 @@ def run(ctx: Any) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer"))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
-    model = load_trained(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
+    model = load_evaluated(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
     device = device_for(model)
     gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
 

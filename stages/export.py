@@ -170,7 +170,7 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
             v = train[k]
             lines.append(f"| {k} | {round(v, 6) if isinstance(v, float) else v} |")
     for rec in train.get("validation") or []:
-        shown = ", ".join(f"{k} {v}" for k, v in rec.items() if k != "step")
+        shown = ", ".join(f"{k} {v}" for k, v in rec.items() if k not in ("step", "kind"))
         lines.append(f"| validation at step {rec.get('step')} | {shown} |")
     lines += [""]
     lines += ["## Stage keys", "", "| stage | key |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in keys.items()]
@@ -218,5 +218,5 @@ def run(ctx: Any) -> dict[str, Any]:
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
     (ctx.out_dir / "config.json").write_text(json.dumps({"name": cfg.name, **sections}, indent=2, sort_keys=True))
     (ctx.out_dir / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, files, sets, facts))
-    ctx.log.info("export: %s -> %s", ", ".join(files), ctx.out_dir)
+    ctx.log.info("export: %s", ", ".join(files))
     return {**facts, "files": sorted(files), "keys": keys, "command": command(cfg.name, sets)}

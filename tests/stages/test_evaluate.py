@@ -1,0 +1,163 @@
+"""The evaluate stage: offline metrics checked against independent computations, and both tiny pipelines
+(a classifier head, a seq2seq summariser) run end to end on CPU through the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import helpers
+import pytest
+from helpers import SHARED_DATA, needs_shared_data
+
+from stages import metrics
+from stages.data import read_split
+
+BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
+IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
+        "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
+BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for this module's pipeline runs (test_export.py shares it: its upstream stages are hits)."""
+    root = tmp_path_factory.getbasetemp() / "issue5-store"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FINETUNE_STORE", str(root))
+    yield root
+    mp.undo()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- metrics, independently checked
+
+
+def lead(text: str, words: int = 60) -> str:
+    """A fixed, non-trivial prediction: the bill's first words, past the boilerplate title section."""
+    body = text.split("SEC. 2.", 1)[-1]
+    return " ".join(body.split()[:words])
+
+
+@pytest.mark.skipif(not BILLS.exists(), reason="../shared/data/billsum is not beside the project")
+def test_rouge_equals_an_independent_rouge_score_computation_on_100_real_bills():
+    from rouge_score import rouge_scorer
+
+    bills = read_jsonl(BILLS)
+    assert len(bills) == 100
+    preds = [lead(b["text"]) for b in bills]
+    refs = [b["summary"] for b in bills]
+    ours = metrics.rouge(preds, refs)
+
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    sums = {"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "rougeLsum": 0.0}
+    for p, r in zip(preds, refs, strict=True):
+        for k, v in scorer.score(r, p).items():
+            sums[k] += v.fmeasure
+    theirs = {k: v / len(bills) for k, v in sums.items()}
+    diff = max(abs(ours[k] - theirs[k]) for k in theirs)
+    print(f"ROUGE on 100 real bills: {ours}; max |ours - rouge_score| = {diff:.1e}")
+    assert diff <= 1e-9
+    assert 0.1 < ours["rouge1"] < 0.9 and ours["rouge2"] < ours["rouge1"]  # a real, non-degenerate score
+
+
+def test_rouge_lsum_splits_sentences_on_newlines_and_stems():
+    ref = "The bill amends the tax code.\nIt repeals the increase."
+    one_line = "it repeals the increase the bill amends the tax code"
+    s = metrics.rouge([one_line], [ref])
+    assert s["rougeLsum"] > s["rougeL"]  # per-sentence LCS recovers both sentences, one LCS cannot
+    assert metrics.rouge(["amending taxes"], ["amends tax"])["rouge1"] == 1.0  # Porter stemming
+    assert metrics.rouge([], []) == {k: 0.0 for k in metrics.ROUGE_TYPES}
+
+
+def test_classification_metrics_match_sklearn():
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
+
+    refs = [0, 0, 1, 1, 1, 2, 2, 0, 1, 2, 2, 2]
+    preds = [0, 1, 1, 1, 0, 2, 1, 0, 1, 2, 0, 2]
+    m = metrics.classification_metrics(preds, refs, 3)
+    assert m["accuracy"] == pytest.approx(accuracy_score(refs, preds), abs=1e-12)
+    assert m["macro_f1"] == pytest.approx(f1_score(refs, preds, average="macro"), abs=1e-12)
+    assert m["confusion_matrix"] == confusion_matrix(refs, preds, labels=[0, 1, 2]).tolist()
+    # a class that never occurs is left out of the macro average, as sklearn does for absent labels
+    assert metrics.macro_f1([0, 1], [0, 1], 3) == pytest.approx(f1_score([0, 1], [0, 1], average="macro"))
+
+
+# ---------------------------------------------------------------- end to end on CPU
+
+
+@needs_shared_data
+def test_classifier_pipeline_runs_end_to_end(store, capfd):
+    out = helpers.run("tiny-imdb", *IMDB)
+    assert list(out) == ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
+    ev = out["evaluate"].path
+    m = json.loads((ev / "metrics.json").read_text())
+    assert set(m) == {"validation", "test"}
+    preds = read_jsonl(ev / "predictions.jsonl")
+    for split, n in (("validation", 8), ("test", 16)):
+        rows = [p for p in preds if p["split"] == split]
+        ids = [str(x) for x in read_split(out["data"].path, split).column("id").to_pylist()]
+        assert [r["id"] for r in rows] == ids  # every example once, in split order
+        labels = read_split(out["data"].path, split).column("label").to_pylist()
+        assert [r["reference"] for r in rows] == labels
+        assert m[split]["examples"] == n and sum(map(sum, m[split]["confusion_matrix"])) == n
+        assert m[split]["accuracy"] == pytest.approx(sum(r["prediction"] == r["reference"] for r in rows) / n)
+        cm = m[split]["confusion_matrix"]
+        assert [sum(row) for row in cm] == [labels.count(0), labels.count(1)]
+        assert 0 <= m[split]["macro_f1"] <= 1
+    assert out["evaluate"].manifest["metrics"]["splits"] == m
+    assert "evaluate test" in capfd.readouterr().err  # the progress bar over evaluation batches
+
+
+@needs_shared_data
+def test_seq2seq_pipeline_runs_end_to_end_with_rouge_on_the_real_references(store):
+    out = helpers.run("tiny-billsum", *BILLSUM)
+    assert list(out)[-2:] == ["evaluate", "export"]
+    ev = out["evaluate"].path
+    m = json.loads((ev / "metrics.json").read_text())["test"]
+    rows = read_jsonl(ev / "predictions.jsonl")
+    table = read_split(out["data"].path, "test")
+    assert [r["id"] for r in rows] == [str(x) for x in table.column("id").to_pylist()]
+    assert [r["reference"] for r in rows] == table.column("target").to_pylist()  # untruncated, original case
+    assert m["examples"] == len(rows) == 20
+    again = metrics.rouge([r["prediction"] for r in rows], [r["reference"] for r in rows])
+    assert all(abs(m[k] - again[k]) <= 1e-12 for k in metrics.ROUGE_TYPES)
+    assert 1 <= m["generated_tokens_max"] <= 8
+    assert all(r["prediction"] for r in rows)
+    gen = out["evaluate"].manifest["metrics"]["generation"]
+    assert gen == {"max_new_tokens": 8, "num_beams": 1, "do_sample": False}
+
+
+@needs_shared_data
+def test_beam_search_settings_reach_generation(store):
+    helpers.run("tiny-billsum", *BILLSUM)
+    out = helpers.run("tiny-billsum", *BILLSUM, "evaluate.num_beams=2", "evaluate.length_penalty=0.5",
+                      "evaluate.max_examples=4", until="evaluate")
+    assert helpers.computed(out) == {"evaluate"}
+    m = json.loads((out["evaluate"].path / "metrics.json").read_text())["test"]
+    assert m["examples"] == 4 and len(read_jsonl(out["evaluate"].path / "predictions.jsonl")) == 4
+    gen = out["evaluate"].manifest["metrics"]["generation"]
+    assert gen == {"max_new_tokens": 8, "num_beams": 2, "do_sample": False, "length_penalty": 0.5,
+                   "early_stopping": True}
+
+
+def test_a_split_the_data_lacks_is_an_error_naming_the_fix(tmp_path):
+    from types import SimpleNamespace
+
+    import datasets
+
+    from stages import evaluate
+    from stages.config import EvaluateConfig
+    from stages.errors import MissingInputError
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"id": ["a"], "input_ids": [[1, 2]],
+                                                               "labels": [0], "length": [2]})}
+                         ).save_to_disk(str(tmp_path / "dataset"))
+    ctx = SimpleNamespace(cfg=SimpleNamespace(evaluate=EvaluateConfig(splits=["test"]),
+                                              model=SimpleNamespace(task="seq_cls")),
+                          upstream={"tokenize": tmp_path})
+    with pytest.raises(MissingInputError, match=r"evaluate.splits \['test'\].*it has train.*set evaluate.splits"):
+        evaluate.run(ctx)
