@@ -9,7 +9,11 @@ Importing this module runs flows/__init__.py first, which sets the project's Pre
 
 from __future__ import annotations
 
+import base64
+import json
+import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
@@ -31,21 +35,135 @@ def artifact_key(pipeline: str, stage: str) -> str:
 
 
 def publish(pipeline: str, o: Outcome) -> None:
+    """A table artifact of the stage's manifest under the stable key `<pipeline>-<stage>`; train adds its
+    loss curve (`-train-loss`), evaluate its metrics (`-evaluate-metrics`), export what it wrote
+    (`-export-files`). An artifact that cannot be built is a warning, never a failed stage."""
+    from prefect.artifacts import create_markdown_artifact
+
+    status = "computed" if o.computed else "cached"
+    create_table_artifact(table=manifest_rows(o), key=artifact_key(pipeline, o.stage),
+                          description=f"{pipeline} / {o.stage}: {status}")
+    try:
+        if o.stage == "train" and (md := train_loss_markdown(o)):
+            create_markdown_artifact(markdown=md, key=artifact_key(pipeline, "train-loss"),
+                                     description=f"{pipeline} / train: loss curve ({status})")
+        elif o.stage == "evaluate" and (rows := evaluate_rows(o.manifest.get("metrics"))):
+            create_table_artifact(table=rows, key=artifact_key(pipeline, "evaluate-metrics"),
+                                  description=f"{pipeline} / evaluate: metrics ({status})")
+        elif o.stage == "export" and (rows := export_rows(o)):
+            create_table_artifact(table=rows, key=artifact_key(pipeline, "export-files"),
+                                  description=f"{pipeline} / export: files written ({status}) under {o.path}")
+    except Exception as e:  # a UI extra must never fail a committed stage
+        logging.getLogger("finetune").warning("%s: artifact for the UI not published: %s", o.stage, e)
+
+
+def manifest_rows(o: Outcome) -> list[dict[str, Any]]:
     m = o.manifest
+    files = m.get("files") or []
     rows = [
         {"field": "status", "value": "computed" if o.computed else "cached"},
         {"field": "key", "value": o.key},
         {"field": "path", "value": str(o.path)},
+        {"field": "created", "value": m.get("finished_at")},
         {"field": "duration_s", "value": m.get("duration_s")},
-        {"field": "size_bytes", "value": sum(f["size"] for f in m.get("files", []))},
+        {"field": "size_bytes", "value": sum(f.get("size", 0) for f in files)},
+        {"field": "files", "value": len(files)},
     ]
     for name, value in (m.get("metrics") or {}).items():
         if isinstance(value, int | float | str):
             rows.append({"field": name, "value": value})
-        elif isinstance(value, dict) and len(str(value)) < 400:
+        elif isinstance(value, dict | list) and len(str(value)) < 400:
             rows.append({"field": name, "value": str(value)})
-    create_table_artifact(table=rows, key=artifact_key(pipeline, o.stage),
-                          description=f"{pipeline} / {o.stage}: {'computed' if o.computed else 'cached'}")
+    return rows
+
+
+def _loss_history(folder: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl of a train artifact: train records (step, loss) and validation records (val_loss)."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
+    """The loss curve (loss.png, inlined) and the loss history as a table, thinned to max_rows."""
+    history = _loss_history(o.path)
+    train = [r for r in history if r.get("kind", "train") == "train" and isinstance(r.get("loss"), int | float)]
+    val = {r["step"]: r for r in history if r.get("kind") == "validation"}
+    metrics = o.manifest.get("metrics") or {}
+    if not train and not val and "final_loss" not in metrics:
+        return None
+    lines = [f"### {o.stage} loss ({'computed' if o.computed else 'cached'}, key `{o.key[:12]}`)", ""]
+    facts = [f"{k} = {_fmt(metrics[k])}" for k in ("steps", "first_loss", "final_loss", "effective_batch",
+                                                    "tokens_per_s") if k in metrics]
+    if facts:
+        lines += [" · ".join(facts), ""]
+    png = o.path / "loss.png"
+    if png.is_file() and png.stat().st_size < 300_000:
+        lines += [f"![loss curve](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
+    if png.is_file():
+        lines += [f"curve: `{png}`", ""]
+    if train:
+        stride = max(1, -(-len(train) // max_rows))
+        shown = train[::stride] if train[-1] in train[::stride] else [*train[::stride], train[-1]]
+        lines += ["| step | loss | validation loss | validation accuracy |", "|---:|---:|---:|---:|"]
+        for r in shown:
+            v = val.get(r["step"], {})
+            lines.append(f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(v.get('val_loss', ''))} | "
+                         f"{_fmt(v.get('val_accuracy', ''))} |")
+    return "\n".join(lines)
+
+
+def evaluate_rows(metrics: Any) -> list[dict[str, Any]]:
+    """One row per split ({split: {metric: value}}), else one row per (dotted) metric."""
+    if not isinstance(metrics, dict):
+        return []
+    splits = {k: v for k, v in metrics.items() if isinstance(v, dict) and v
+              and all(isinstance(x, int | float | str | None) for x in v.values())}
+    if splits and len(splits) == len([v for v in metrics.values() if isinstance(v, dict)]):
+        return [{"split": k, **v} for k, v in splits.items()]
+    rows = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, int | float | str) and len(rows) < 200:
+            rows.append({"metric": name, "value": value})
+
+    walk(metrics, "")
+    return rows
+
+
+def export_rows(o: Outcome, max_rows: int = 100) -> list[dict[str, Any]]:
+    """Every file the export wrote (absolute path, size), and any path its metrics name."""
+    rows = [{"path": str(o.path / f["path"]), "size_bytes": f.get("size")} for f in o.manifest.get("files") or []]
+    named = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{name}[{i}]")
+        elif isinstance(value, str) and "/" in value:
+            named.append({"path": value, "size_bytes": None, "metric": name})
+
+    walk(o.manifest.get("metrics") or {}, "")
+    return (rows + named)[:max_rows]
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], force: bool,

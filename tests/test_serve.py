@@ -166,6 +166,8 @@ def test_deployment_runs_on_a_local_server(server):
         table = next(a for a in arts if a["key"] == f"{PIPELINE}-train" and a["type"] == "table")
         rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
         assert {"field": "status", "value": "computed"} in rows
+        loss = next(a for a in arts if a["key"] == f"{PIPELINE}-train-loss")
+        assert loss["type"] == "markdown" and "| step | loss |" in loss["data"]
 
         # a second run: every stage task is Cached, nothing recomputed
         events = len(store.events())
@@ -202,3 +204,40 @@ def test_unreachable_server_is_one_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.startswith("error: no Prefect server answers at") and "Traceback" not in res.stderr
+
+
+def test_artifact_builders(tmp_path):
+    """What the train / evaluate / export extras put in the UI, from a manifest and its folder."""
+    from flows.finetune import evaluate_rows, export_rows, manifest_rows, train_loss_markdown
+    from stages.store import Outcome
+
+    folder = tmp_path / "train" / ("a" * 64)
+    folder.mkdir(parents=True)
+    recs = [{"kind": "train", "step": s, "loss": 1 / s} for s in range(1, 101)]
+    recs.append({"kind": "validation", "step": 100, "val_loss": 0.02, "val_accuracy": 0.9})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + "not json\n")
+    manifest = {"files": [{"path": "metrics.jsonl", "size": 10}, {"path": "trained/model.safetensors", "size": 5}],
+                "duration_s": 1.5, "finished_at": "2026-01-01T00:00:00+00:00",
+                "metrics": {"steps": 100, "final_loss": 0.01, "validation": [recs[-1]]}}
+    o = Outcome("train", "a" * 64, folder, True, "computed", manifest)
+    md = train_loss_markdown(o, max_rows=20)
+    table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert 20 <= len(table) <= 21 and table[-1] == "| 100 | 0.01 | 0.02 | 0.9 |"
+    assert "final_loss = 0.01" in md and "data:image" not in md  # no loss.png: no image
+    assert train_loss_markdown(Outcome("train", "b", tmp_path, False, "cached", {})) is None
+
+    rows = manifest_rows(o)
+    assert {"field": "size_bytes", "value": 15} in rows and {"field": "final_loss", "value": 0.01} in rows
+
+    assert evaluate_rows({"test": {"accuracy": 0.8}, "validation": {"accuracy": 0.7, "loss": 0.5}}) == [
+        {"split": "test", "accuracy": 0.8}, {"split": "validation", "accuracy": 0.7, "loss": 0.5}]
+    assert evaluate_rows({"accuracy": 0.8, "by": {"test": {"n": 5}}}) == [
+        {"metric": "accuracy", "value": 0.8}, {"metric": "by.test.n", "value": 5}]
+    assert evaluate_rows(None) == []
+
+    export = Outcome("export", "c" * 64, tmp_path / "export", True, "computed",
+                     {**manifest, "metrics": {"merged_dir": "/models/merged", "n": 3}})
+    assert export_rows(export) == [
+        {"path": str(tmp_path / "export" / "metrics.jsonl"), "size_bytes": 10},
+        {"path": str(tmp_path / "export" / "trained/model.safetensors"), "size_bytes": 5},
+        {"path": "/models/merged", "size_bytes": None, "metric": "merged_dir"}]
