@@ -142,3 +142,22 @@ def test_cli_runs_nothing_and_never_imports_prefect(env):
                          env=subprocess_env(store), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.startswith("error: unknown pipeline")
     assert len(Store(store).events()) == events  # nothing ran
+
+
+def test_why_changed_names_each_kind_of_input():
+    from stages.status import why_changed
+
+    sk = next(i.key for i in plan(load_pipeline("tiny-imdb")) if i.stage.name == "train")
+    old = {**sk.key_inputs(), "code_objects": list(sk.code_objects)}
+    assert why_changed(old, sk) == ["changed key (no recorded input differs; manifest from an older store "
+                                    "format?)"]
+    lib = next(iter(sk.libraries))
+    old = {**old, "params": {**sk.params, "train": {**sk.params["train"], "lr": 0.5}},
+           "upstream": {**sk.upstream, "model": "0" * 64}, "code": "old", "code_objects": ["stages.train.gone"],
+           "libraries": {**sk.libraries, lib: "0.0.1"}, "inputs": {"imdb/train.csv.gz": "x"}}
+    reasons = why_changed(old, sk)
+    assert reasons[0] == "changed params: train.lr"
+    assert reasons[1] == "changed upstream: model"
+    assert reasons[2] == "changed deps: imdb/train.csv.gz (deleted)"
+    assert reasons[3].startswith("changed code: ") and "-stages.train.gone" in reasons[3]
+    assert reasons[4] == f"changed libraries: {lib} 0.0.1 -> {sk.libraries[lib]}"
