@@ -18,11 +18,10 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
 from stages.cli import guarded
-from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names, store_root
+from stages.config import load_pipeline, pipeline_names, store_root
 from stages.errors import ConfigError, FinetuneError
 
 DEFAULT_API_URL = "http://127.0.0.1:4200/api"
@@ -49,7 +48,7 @@ def wait_for_server(api_url: str, wait_s: float) -> None:
         time.sleep(1)
 
 
-def deployments(names: list[str], config: Path):
+def deployments(names: list[str]):
     """One RunnerDeployment per pipeline; entrypoint flows.finetune.finetune (module path, so the run
     subprocess imports the project package, not a copy of the file)."""
     from prefect.deployments.runner import EntrypointType
@@ -58,7 +57,7 @@ def deployments(names: list[str], config: Path):
 
     out = []
     for name in names:
-        cfg = load_pipeline(name, None, config)  # a broken pipeline fails here, before serving anything
+        cfg = load_pipeline(name)  # a broken pipeline fails here, before serving anything
         out.append(finetune.to_deployment(
             name=name,
             parameters={"pipeline": name},
@@ -73,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.serve", description="Serve one `finetune/<pipeline>` "
                                 "deployment per pipeline of pipeline.yaml on a Prefect server.")
     p.add_argument("pipelines", nargs="*", help="pipelines to serve (default: every pipeline in the file)")
-    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
     p.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: one GPU)")
     p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
                    help="how long to wait for the Prefect server to answer (default 10)")
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> int:
-        available = pipeline_names(args.config)
+        available = pipeline_names()  # the flow reads pipeline.yaml itself
         unknown = [n for n in args.pipelines if n not in available]
         if unknown:
             raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")
@@ -112,7 +110,7 @@ def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
         ctx = temporary_settings({PREFECT_API_URL: api_url})
     with ctx:
         wait_for_server(api_url, args.wait)
-        deps = deployments(names, args.config)
+        deps = deployments(names)
         print(f"serving {len(deps)} deployments on {api_url} (UI: {api_url.removesuffix('/api')}); "
               f"store {store_root()}; Ctrl-C to stop", flush=True)
         serve(*deps, limit=args.limit)  # returns on Ctrl-C / SIGTERM
