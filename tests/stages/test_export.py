@@ -1,0 +1,136 @@
+"""The export stage: the exported adapter (reloaded on its base), the merged model and a full finetune's model
+give the evaluated model's logits on the same batch; the model card names what reproduces it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import helpers
+import pytest
+import torch
+from helpers import needs_shared_data
+
+from stages.batching import collate
+from stages.config import load_pipeline
+from stages.evaluate import exact_cpu_kernels, load_evaluated
+from stages.model import load_model
+from stages.pipeline import plan
+
+pytestmark = needs_shared_data
+
+IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
+        "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
+BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
+IMDB_LORA = ("adapters.method=lora", "adapters.target_modules=[query_key_value, dense]",
+             "adapters.modules_to_save=[score]")
+# bitsandbytes' CPU 4-bit kernels need layers at least 64 wide
+T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from_config.d_kv=16",
+           "model.from_config.d_ff=128")
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The store test_evaluate.py fills (same session): upstream stages are hits when it ran first."""
+    root = tmp_path_factory.getbasetemp() / "issue5-store"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FINETUNE_STORE", str(root))
+    yield root
+    mp.undo()
+
+
+def evaluated_and_batch(out: dict, task: str):
+    import datasets
+
+    ds = datasets.load_from_disk(str(out["tokenize"].path / "dataset"))["test"]
+    b = collate([ds[i] for i in range(4)], 0, task)
+    model = load_evaluated(out["model"].path, out["adapters"].path, out["train"].path)
+    return model, b
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, b, task: str) -> torch.Tensor:
+    model.eval()
+    if task == "seq_cls":
+        return model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+    return model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels).logits
+
+
+def auto(task: str):
+    import transformers
+
+    return {"seq_cls": transformers.AutoModelForSequenceClassification,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM}[task]
+
+
+@pytest.mark.parametrize("pipeline,sets,task", [
+    ("tiny-billsum", BILLSUM, "seq2seq"),
+    ("tiny-imdb", IMDB + IMDB_LORA, "seq_cls"),
+    ("tiny-billsum", BILLSUM + T5_4BIT, "seq2seq"),
+], ids=["t5-lora", "bloom-classifier-lora", "t5-qlora-4bit"])
+def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipeline, sets, task):
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    out = helpers.run(pipeline, *sets, "export.merge=true")
+    ex = out["export"].path
+    model, b = evaluated_and_batch(out, task)
+    ref = logits(model, b, task)
+
+    adapter = PeftModel.from_pretrained(load_model(out["model"].path), str(ex / "adapter"))
+    # bitsandbytes' CPU inference kernel for 4-bit layers runs in bf16 (~3e-2 here); evaluate uses fp32
+    exact_cpu_kernels(adapter)
+    merged = auto(task).from_pretrained(str(ex / "merged"))
+    d_adapter = float((logits(adapter, b, task) - ref).abs().max())
+    d_merged = float((logits(merged, b, task) - ref).abs().max())
+    print(f"{pipeline} {' '.join(sets[-1:])}: max |logits - evaluated|: adapter {d_adapter:.2e}, merged "
+          f"{d_merged:.2e} (logits up to {float(ref.abs().max()):.2f})")
+    assert d_adapter <= TOL and d_merged <= TOL
+    assert float(ref.abs().max()) > 1e-2  # not trivially zero
+
+    assert not any(hasattr(m, "lora_A") for m in merged.modules())  # merged, not wrapped
+    assert {type(m).__name__ for m in merged.modules()}.isdisjoint({"Linear4bit", "Linear8bitLt"})
+    assert "quantization_config" not in json.loads((ex / "merged" / "config.json").read_text())
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    assert AutoTokenizer.from_pretrained(str(ex / "merged")).pad_token_id is not None
+    cfg = json.loads((ex / "adapter" / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and (ex / "adapter" / "adapter_model.safetensors").is_file()
+    facts = out["export"].manifest["metrics"]
+    assert facts["merged"] and facts["dequantized_from"] == ("4bit" if "quantization.mode=4bit" in sets else None)
+
+
+def test_full_finetune_exports_the_model_itself(store):
+    out = helpers.run("tiny-imdb", *IMDB)
+    ex = out["export"].path
+    assert not (ex / "adapter").exists() and not (ex / "merged").exists()
+    model, b = evaluated_and_batch(out, "seq_cls")
+    exported = auto("seq_cls").from_pretrained(str(ex / "model"))
+    d = float((logits(exported, b, "seq_cls") - logits(model, b, "seq_cls")).abs().max())
+    print(f"full finetune: max |logits(export/model) - evaluated| = {d:.2e}")
+    assert d <= TOL
+    assert (ex / "model" / "tokenizer.json").is_file()
+
+
+def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_them(store):
+    out = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true")
+    card = (out["export"].path / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: peft") and "# tiny-billsum" in card
+    assert "tiny T5 summariser on the 100 real billsum bills" in card  # the description
+    for stage in ("data", "tokenize", "model", "adapters", "train"):
+        assert f"| {stage} | `{out[stage].key}` |" in card
+    final = out["train"].manifest["metrics"]["final_loss"]
+    assert f"| final_loss | {round(final, 6)} |" in card
+    assert "max_new_tokens" not in card  # evaluation settings are not what these weights depend on
+    config = json.loads((out["export"].path / "config.json").read_text())
+    assert config["name"] == "tiny-billsum" and config["train"]["max_steps"] == 2
+
+    # the command in the card, parsed and planned, gives the very same keys for every stage it fixes
+    line = next(ln for ln in card.splitlines() if ln.startswith("python -m flows.finetune "))
+    argv = shlex.split(line)[3:]
+    assert argv[0] == "tiny-billsum"
+    sets = [argv[i + 1] for i in range(1, len(argv), 2) if argv[i] == "--set"]
+    assert sorted(sets) == ["export.merge=true", "train.max_steps=2"]
+    keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets))}
+    for stage in ("data", "tokenize", "model", "adapters", "train", "export"):
+        assert keys[stage] == out[stage].key, stage
