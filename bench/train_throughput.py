@@ -8,12 +8,14 @@
   (c) this project's train stage core (`stages.train.train_model`): length-grouped effective batches,
       dynamic padding per micro-batch, micro-batch 8 x accumulation 2.
 
-All three train the same model, from the same weights, on the same 512 real reviews (a seeded sample
-of ../shared/data/imdb/train.csv.gz), fp32 on CPU, AdamW lr 5e-5, effective batch 16, for `--steps`
-optimizer steps per run (bounded: a few minutes in all). Only the training steps are timed (no setup,
-no saving). Each variant runs `--runs` times, interleaved; the table shows medians and ratios.
+All three train the same model, from the same weights, fp32 on CPU, AdamW lr 5e-5, effective batch 16,
+on the same 512 real reviews (a seeded sample of ../shared/data/imdb/train.csv.gz). To stay bounded, run r
+trains one epoch over the r-th slice of `--subset` reviews of those 512, the same slice for every variant
+(so each variant sees exactly the same texts; `--subset 512` trains on all of them). Only the training
+loop is timed (no setup, no saving). Variants are interleaved within each run so machine noise spreads
+over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b).
 
-    .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~3-5 min
+    .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~10 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
 """
 
@@ -84,7 +86,7 @@ def load_model_and_tokenizer(name: str):
 
 # ---------------------------------------------------------------- (a) the article's way
 
-def run_article(make_model, tok, texts, labels, steps: int) -> dict:
+def run_article(make_model, tok, texts, labels) -> dict:
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="pt")  # global padding
     model = make_model()
     model.train()
@@ -93,14 +95,13 @@ def run_article(make_model, tok, texts, labels, steps: int) -> dict:
     y = torch.tensor(labels)
     real = computed = 0
     t0 = time.perf_counter()
-    for i in range(steps * EFFECTIVE):  # micro-batch 1, accumulation 16
-        j = int(order[i % len(order)])
+    for i, j in enumerate(order.tolist()):  # micro-batch 1, accumulation 16
         ids, mask = enc["input_ids"][j:j + 1], enc["attention_mask"][j:j + 1]
         out = model(input_ids=ids, attention_mask=mask, labels=y[j:j + 1])
         (out.loss / EFFECTIVE).backward()
         real += int(mask.sum())
         computed += ids.numel()
-        if (i + 1) % EFFECTIVE == 0:
+        if (i + 1) % EFFECTIVE == 0 or i + 1 == len(order):
             opt.step()
             opt.zero_grad()
     return {"real": real, "computed": computed, "seconds": time.perf_counter() - t0}
@@ -108,7 +109,7 @@ def run_article(make_model, tok, texts, labels, steps: int) -> dict:
 
 # ---------------------------------------------------------------- (b) HF Trainer
 
-def run_hf_trainer(make_model, tok, texts, labels, steps: int, workdir: Path) -> dict:
+def run_hf_trainer(make_model, tok, texts, labels, workdir: Path) -> dict:
     import datasets
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 
@@ -134,7 +135,7 @@ def run_hf_trainer(make_model, tok, texts, labels, steps: int, workdir: Path) ->
             times["end"] = time.perf_counter()
 
     args = TrainingArguments(output_dir=str(workdir), per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                             max_steps=steps, learning_rate=LR, train_sampling_strategy="group_by_length",
+                             num_train_epochs=1, learning_rate=LR, train_sampling_strategy="group_by_length",
                              lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no",
                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
     trainer = Trainer(model=make_model(), args=args, train_dataset=ds, data_collator=collate, callbacks=[Clock()])
@@ -144,12 +145,12 @@ def run_hf_trainer(make_model, tok, texts, labels, steps: int, workdir: Path) ->
 
 # ---------------------------------------------------------------- (c) this stage
 
-def run_stage(make_model, tok, texts, labels, steps: int, workdir: Path) -> dict:
+def run_stage(make_model, tok, texts, labels, workdir: Path) -> dict:
     from stages.train import train_model
 
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH)
     rows = [{"input_ids": ids, "labels": y, "length": len(ids)} for ids, y in zip(enc["input_ids"], labels, strict=True)]
-    cfg = TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, max_steps=steps, optimizer="adamw_torch",
+    cfg = TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, optimizer="adamw_torch",
                       lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6)
     log = logging.getLogger("bench.train")
     m = train_model(make_model(), rows, None, cfg, "seq_cls", tok.pad_token_id, workdir / "out", workdir / "work", log)
@@ -162,9 +163,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="minilm")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (the table shows medians)")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps of 16 reviews per run")
+    ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them; a multiple of 16)")
     ap.add_argument("--reviews", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: steadier when other jobs share the cores)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
@@ -173,19 +175,21 @@ def main() -> None:
     tok, make_model = load_model_and_tokenizer(args.model)
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
     print(f"model {args.model}; {len(texts)} real IMDB reviews, {sum(lengths)} tokens (mean {np.mean(lengths):.0f}, "
-          f"max {max(lengths)}); {args.steps} steps x 16 reviews per run, {args.runs} runs, {args.threads} threads")
+          f"max {max(lengths)}); per run one epoch over a slice of {args.subset} of them, {args.runs} runs, "
+          f"{args.threads} thread(s)")
     variants = {
-        "(a) article: pad to max, micro-batch 1 x 16": lambda d: run_article(make_model, tok, texts, labels, args.steps),
+        "(a) article: pad to max, micro-batch 1 x 16": lambda d, t, y: run_article(make_model, tok, t, y),
         "(b) HF Trainer, DataCollatorWithPadding + group_by_length, 8 x 2":
-            lambda d: run_hf_trainer(make_model, tok, texts, labels, args.steps, d),
-        "(c) this stage: grouped + dynamic padding, 8 x 2":
-            lambda d: run_stage(make_model, tok, texts, labels, args.steps, d),
+            lambda d, t, y: run_hf_trainer(make_model, tok, t, y, d),
+        "(c) this stage: grouped + dynamic padding, 8 x 2": lambda d, t, y: run_stage(make_model, tok, t, y, d),
     }
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(args.runs):
+        lo = (r * args.subset) % len(texts)
+        t_r, y_r = texts[lo:lo + args.subset], labels[lo:lo + args.subset]
         for name, fn in variants.items():  # interleaved, so machine noise spreads over all variants
             with tempfile.TemporaryDirectory() as d:
-                res = fn(Path(d))
+                res = fn(Path(d), t_r, y_r)
             res["tok_s"] = res["real"] / res["seconds"]
             results[name].append(res)
             print(f"  run {r + 1} {name[:3]}: {res['tok_s']:.0f} real tok/s, "
