@@ -51,8 +51,10 @@ def publish(pipeline: str, o: Outcome) -> None:
             create_table_artifact(table=rows, key=artifact_key(pipeline, "evaluate-metrics"),
                                   description=f"{pipeline} / evaluate: metrics ({status})")
         elif o.stage == "export" and (rows := export_rows(o)):
+            command = (o.manifest.get("metrics") or {}).get("command")
             create_table_artifact(table=rows, key=artifact_key(pipeline, "export-files"),
-                                  description=f"{pipeline} / export: files written ({status}) under {o.path}")
+                                  description=f"{pipeline} / export: what it wrote ({status}) under {o.path}"
+                                  + (f"; reproduce: `{command}`" if isinstance(command, str) else ""))
     except Exception as e:  # a UI extra must never fail a committed stage
         logging.getLogger("finetune").warning("%s: artifact for the UI not published: %s", o.stage, e)
 
@@ -123,13 +125,14 @@ def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
 
 
 def evaluate_rows(metrics: Any) -> list[dict[str, Any]]:
-    """One row per split ({split: {metric: value}}), else one row per (dotted) metric."""
+    """One row per split (metrics["splits"] = {split: {metric: value}}, scalars only; the confusion matrix
+    stays in the manifest), else one row per (dotted) metric."""
     if not isinstance(metrics, dict):
         return []
-    splits = {k: v for k, v in metrics.items() if isinstance(v, dict) and v
-              and all(isinstance(x, int | float | str | None) for x in v.values())}
-    if splits and len(splits) == len([v for v in metrics.values() if isinstance(v, dict)]):
-        return [{"split": k, **v} for k, v in splits.items()]
+    splits = metrics.get("splits")
+    if isinstance(splits, dict) and splits and all(isinstance(v, dict) for v in splits.values()):
+        return [{"split": name, **{k: v for k, v in values.items() if isinstance(v, int | float | str)}}
+                for name, values in splits.items()]
     rows = []
 
     def walk(value: Any, name: str) -> None:
@@ -143,23 +146,14 @@ def evaluate_rows(metrics: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def export_rows(o: Outcome, max_rows: int = 100) -> list[dict[str, Any]]:
-    """Every file the export wrote (absolute path, size), and any path its metrics name."""
-    rows = [{"path": str(o.path / f["path"]), "size_bytes": f.get("size")} for f in o.manifest.get("files") or []]
-    named = []
-
-    def walk(value: Any, name: str) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{name}.{k}" if name else str(k))
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                walk(v, f"{name}[{i}]")
-        elif isinstance(value, str) and "/" in value:
-            named.append({"path": value, "size_bytes": None, "metric": name})
-
-    walk(o.manifest.get("metrics") or {}, "")
-    return (rows + named)[:max_rows]
+def export_rows(o: Outcome) -> list[dict[str, Any]]:
+    """What the export wrote, one row per top-level entry of its folder: absolute path, files, bytes."""
+    groups: dict[str, list[int]] = {}
+    for f in o.manifest.get("files") or []:
+        top = Path(f["path"]).parts[0]
+        groups.setdefault(top, []).append(int(f.get("size") or 0))
+    return [{"path": str(o.path / top), "files": len(sizes), "size_bytes": sum(sizes)}
+            for top, sizes in sorted(groups.items())]
 
 
 def _fmt(v: Any) -> str:

@@ -168,6 +168,9 @@ def test_deployment_runs_on_a_local_server(server):
         assert {"field": "status", "value": "computed"} in rows
         loss = next(a for a in arts if a["key"] == f"{PIPELINE}-train-loss")
         assert loss["type"] == "markdown" and "| step | loss |" in loss["data"]
+        for stage, extra in (("evaluate", "evaluate-metrics"), ("export", "export-files")):
+            if stage in stages:  # stages added to the registry publish their extra artifact too
+                assert f"{PIPELINE}-{extra}" in keys, keys
 
         # a second run: every stage task is Cached, nothing recomputed
         events = len(store.events())
@@ -229,15 +232,17 @@ def test_artifact_builders(tmp_path):
     rows = manifest_rows(o)
     assert {"field": "size_bytes", "value": 15} in rows and {"field": "final_loss", "value": 0.01} in rows
 
-    assert evaluate_rows({"test": {"accuracy": 0.8}, "validation": {"accuracy": 0.7, "loss": 0.5}}) == [
-        {"split": "test", "accuracy": 0.8}, {"split": "validation", "accuracy": 0.7, "loss": 0.5}]
+    splits = {"test": {"accuracy": 0.8, "confusion_matrix": [[1, 2], [3, 4]]}, "validation": {"accuracy": 0.7}}
+    assert evaluate_rows({"task": "seq_cls", "splits": splits, "generation": {}}) == [
+        {"split": "test", "accuracy": 0.8}, {"split": "validation", "accuracy": 0.7}]
     assert evaluate_rows({"accuracy": 0.8, "by": {"test": {"n": 5}}}) == [
         {"metric": "accuracy", "value": 0.8}, {"metric": "by.test.n", "value": 5}]
     assert evaluate_rows(None) == []
 
+    files = [{"path": "adapter/adapter_model.safetensors", "size": 100}, {"path": "adapter/adapter_config.json",
+             "size": 5}, {"path": "README.md", "size": 7}]
     export = Outcome("export", "c" * 64, tmp_path / "export", True, "computed",
-                     {**manifest, "metrics": {"merged_dir": "/models/merged", "n": 3}})
+                     {"files": files, "metrics": {"files": ["adapter"], "command": "python -m flows.finetune x"}})
     assert export_rows(export) == [
-        {"path": str(tmp_path / "export" / "metrics.jsonl"), "size_bytes": 10},
-        {"path": str(tmp_path / "export" / "trained/model.safetensors"), "size_bytes": 5},
-        {"path": "/models/merged", "size_bytes": None, "metric": "merged_dir"}]
+        {"path": str(tmp_path / "export" / "README.md"), "files": 1, "size_bytes": 7},
+        {"path": str(tmp_path / "export" / "adapter"), "files": 2, "size_bytes": 105}]
