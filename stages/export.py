@@ -79,8 +79,7 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.eval()
     untied = untie_if_diverged(merged)
-    for attr in ("quantization_config",):
-        merged.config.__dict__.pop(attr, None)
+    merged.config.__dict__.pop("quantization_config", None)  # plain weights now
     merged.config.dtype = dtype
     return merged, {"dequantized_from": info["quantization"] if info["quantization"] != "none" else None,
                     "untied_lm_head": untied}

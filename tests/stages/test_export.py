@@ -110,6 +110,8 @@ def test_full_finetune_exports_the_model_itself(store):
     print(f"full finetune: max |logits(export/model) - evaluated| = {d:.2e}")
     assert d <= TOL
     assert (ex / "model" / "tokenizer.json").is_file()
+    sets = command_reproduces(out, "tiny-imdb")  # a mapping-valued --set (data.subset) round-trips
+    assert any(s.startswith("data.subset=") for s in sets)
 
 
 def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_them(store):
@@ -125,12 +127,18 @@ def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_th
     config = json.loads((out["export"].path / "config.json").read_text())
     assert config["name"] == "tiny-billsum" and config["train"]["max_steps"] == 2
 
-    # the command in the card, parsed and planned, gives the very same keys for every stage it fixes
+    assert sorted(command_reproduces(out, "tiny-billsum")) == ["export.merge=true", "train.max_steps=2"]
+
+
+def command_reproduces(out: dict, name: str) -> list[str]:
+    """The command in the card, parsed and planned, gives the very same keys for every stage it fixes
+    (all but evaluate, whose settings the card does not carry). Returns its --set values."""
+    card = (out["export"].path / "README.md").read_text()
     line = next(ln for ln in card.splitlines() if ln.startswith("python -m flows.finetune "))
     argv = shlex.split(line)[3:]
-    assert argv[0] == "tiny-billsum"
+    assert argv[0] == name
     sets = [argv[i + 1] for i in range(1, len(argv), 2) if argv[i] == "--set"]
-    assert sorted(sets) == ["export.merge=true", "train.max_steps=2"]
     keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets))}
     for stage in ("data", "tokenize", "model", "adapters", "train", "export"):
         assert keys[stage] == out[stage].key, stage
+    return sets
