@@ -22,9 +22,9 @@ from pathlib import Path
 
 import flows  # noqa: F401  (project defaults only; this module never imports prefect)
 from stages.cli import guarded
-from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline, store_root
+from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
-from stages.store import Store
+from stages.store import Store, open_store
 
 
 def human_size(n: int | None) -> str:
@@ -45,6 +45,10 @@ def human_time(iso: str | None) -> str:
         return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
     except ValueError:
         return iso
+
+
+def store_location(store: Store) -> str:
+    return getattr(store, "url", None) or str(store.root)
 
 
 def fmt_value(v: object) -> str:
@@ -68,7 +72,7 @@ def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> s
         if s.reasons and s.status != CACHED:
             notes[len(rows) - 1] = s.reasons
     table = render_table(rows).splitlines()
-    out = [f"pipeline {pipeline}   store {store.root}", table[0]]
+    out = [f"pipeline {pipeline}   store {store_location(store)}", table[0]]
     for i, line in enumerate(table[1:], start=1):
         out.append(line)
         out.extend(f"    {reason}" for reason in notes.get(i, []))
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    store = Store(store_root())
+    store = open_store()
 
     def go() -> int:
         if args.command == "gc":
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = pipeline_status(cfg, store)
         if args.command == "status":
             if args.json:
-                print(json.dumps({"pipeline": cfg.name, "store": str(store.root),
+                print(json.dumps({"pipeline": cfg.name, "store": store_location(store),
                                   "stages": [s.to_json() for s in statuses]}, indent=2))
             else:
                 print(render_status(cfg.name, store, statuses))
@@ -144,11 +148,11 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
-        print(json.dumps({"store": str(store.root), "dry_run": not args.force, "total_bytes": total,
+        print(json.dumps({"store": store_location(store), "dry_run": not args.force, "total_bytes": total,
                           "items": [g.__dict__ for g in garbage]}, indent=2))
         return 0
     if not garbage:
-        print(f"store {store.root}: every artifact is reachable from a pipeline's current keys; nothing to remove")
+        print(f"store {store_location(store)}: every artifact is reachable from a pipeline's current keys; nothing to remove")
         return 0
     rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
     for g in garbage:

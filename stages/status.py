@@ -135,9 +135,15 @@ def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
+def location(store: Store, stage: str, key: str) -> str:
+    """Where the artifact lives: its folder, or its URL on a shared (fsspec) store."""
+    url = getattr(store, "url", None)
+    return f"{url}/{stage}/{key}" if url else str(store.artifact_dir(stage, key))
+
+
 def _artifact_facts(store: Store, stage: str, key: str) -> dict[str, Any]:
     m = store.read_manifest(stage, key) or {}
-    return {"path": str(store.artifact_dir(stage, key)), "artifact_key": key,
+    return {"path": location(store, stage, key), "artifact_key": key,
             "size_bytes": sum(f.get("size", 0) for f in m.get("files", [])),
             "created": m.get("finished_at"), "metrics": headline(m.get("metrics"))}
 
@@ -148,16 +154,14 @@ def _baseline(store: Store, pipeline: str, stage: str, current: str) -> str | No
     if ref and ref != current and store.read_manifest(stage, ref) is not None:
         return ref
     best: tuple[str, str] | None = None
-    folder = store.root / stage
-    if folder.is_dir():
-        for d in folder.iterdir():
-            if d.name == current or len(d.name) != 64:
-                continue
-            m = store.read_manifest(stage, d.name)
-            if m and m.get("pipeline") == pipeline and m.get("key_inputs"):
-                stamp = m.get("finished_at") or ""
-                if best is None or stamp > best[0]:
-                    best = (stamp, d.name)
+    for st, key, _ in store.entries():
+        if st != stage or key == current:
+            continue
+        m = store.read_manifest(stage, key)
+        if m and m.get("pipeline") == pipeline and m.get("key_inputs"):
+            stamp = m.get("finished_at") or ""
+            if best is None or stamp > best[0]:
+                best = (stamp, key)
     return best[1] if best else None
 
 
@@ -239,8 +243,16 @@ def _size(path: Path) -> int:
     return total
 
 
+def _artifact_size(store: Store, stage: str, key: str, folder: Path) -> int:
+    m = store.read_manifest(stage, key)
+    if m is not None:
+        return sum(f.get("size", 0) for f in m.get("files", []))
+    return _size(folder)
+
+
 def find_garbage(store: Store, keep: set[tuple[str, str]]) -> list[Garbage]:
-    out = [Garbage("artifact", stage, key, str(folder), _size(folder))
+    """Unreachable artifacts, and local scratch (.work) of unreachable keys."""
+    out = [Garbage("artifact", stage, key, location(store, stage, key), _artifact_size(store, stage, key, folder))
            for stage, key, folder in store.entries() if (stage, key) not in keep]
     work = store.root / ".work"
     if work.is_dir():
@@ -254,6 +266,15 @@ def find_garbage(store: Store, keep: set[tuple[str, str]]) -> list[Garbage]:
 def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
     """Delete each item unless a run holds its key's lock (then it is in use: skipped)."""
     for g in garbage:
+        if g.kind == "artifact" and type(store) is not Store:  # a shared store: its own lock and remove
+            try:
+                with store.lock(g.key, f"gc {g.stage}"):
+                    store.remove(g.stage, g.key)
+                g.removed = True
+                store.log_event(event="gc", stage=g.stage, key=g.key, kind=g.kind, size_bytes=g.size_bytes)
+            except OSError as e:
+                g.note = f"not removed: {e}"
+            continue
         lock = store.root / ".locks" / f"{g.key}.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
         with open(lock, "a") as fh:
@@ -278,7 +299,7 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
 
 def gc(store: Store, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
        keep_refs: bool = False) -> list[Garbage]:
-    if not store.root.is_dir():
+    if type(store) is Store and not store.root.is_dir():
         raise MissingInputError(f"store {store.root} does not exist; set FINETUNE_STORE or run a pipeline first")
     garbage = find_garbage(store, reachable_keys(store, pipelines_file, keep_refs))
     return remove_garbage(store, garbage) if force else garbage

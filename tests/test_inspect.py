@@ -161,3 +161,33 @@ def test_why_changed_names_each_kind_of_input():
     assert reasons[2] == "changed deps: imdb/train.csv.gz (deleted)"
     assert reasons[3].startswith("changed code: ") and "-stages.train.gone" in reasons[3]
     assert reasons[4] == f"changed libraries: {lib} 0.0.1 -> {sk.libraries[lib]}"
+
+
+def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
+    """status and gc on a shared store URL (fsspec memory://, standing in for s3:// / gs://)."""
+    import uuid
+
+    from stages.store import open_store
+
+    config, _ = env
+    url = f"memory://inspect-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FINETUNE_STORE", url)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    store = open_store()
+    run_pipeline(load_pipeline(PIPELINE, None, config), store, until="tokenize")
+    other = load_pipeline(PIPELINE, ["tokenize.max_length=64"], config)
+    run_pipeline(other, store, until="tokenize")
+    orphan = next(i.key.key for i in plan(other) if i.stage.name == "tokenize")
+
+    rc, out = inspect(capsys, "status", PIPELINE, "--config", str(config), "--json")
+    report = json.loads(out)
+    by = {s["stage"]: s for s in report["stages"]}
+    assert rc == 1 and report["store"] == url
+    assert by["data"]["status"] == by["tokenize"]["status"] == "cached" and by["model"]["status"] == "missing"
+    assert by["tokenize"]["path"] == f"{url}/tokenize/{by['tokenize']['key']}"
+
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
+    assert [(g["stage"], g["key"]) for g in json.loads(out)["items"]] == [("tokenize", orphan)]
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--force")
+    assert "removed 1 of 1" in out and store.problems("tokenize", orphan) == ["not in store"]
+    assert store.problems("tokenize", by["tokenize"]["key"]) == []
