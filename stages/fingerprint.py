@@ -74,8 +74,9 @@ def code_closure(fn: Callable) -> dict[str, str]:
 
 
 def code_fingerprint(fn: Callable) -> tuple[str, list[str]]:
+    """(hash over the whole closure, ["module.qualname:sha12", ...] so status can name what changed)."""
     closure = code_closure(fn)
-    return sha256_text(canonical_json(closure)), list(closure)
+    return sha256_text(canonical_json(closure)), [f"{k}:{sha256_text(v)[:12]}" for k, v in closure.items()]
 
 
 _file_hash_cache: dict[tuple[str, int, int], str] = {}

@@ -81,6 +81,11 @@ def _changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
     return out
 
 
+def _objects(entries: list[str]) -> dict[str, str]:
+    """["module.qualname:sha12", ...] -> {name: sha12} (older manifests list bare names)."""
+    return dict(e.rsplit(":", 1) if ":" in e else (e, "") for e in entries)
+
+
 def why_changed(old_inputs: dict[str, Any], sk: StageKey) -> list[str]:
     """What differs between an artifact's recorded key inputs and the current StageKey, as
     `changed params: train.lr`, `changed upstream: tokenize`, `changed deps: ...`, `changed code`,
@@ -95,8 +100,11 @@ def why_changed(old_inputs: dict[str, Any], sk: StageKey) -> list[str]:
     if deps := _changed_files(old_inputs.get("inputs") or {}, new["inputs"]):
         out.append("changed deps: " + ", ".join(deps))
     if old_inputs.get("code") != new["code"]:
-        old_objs, new_objs = set(old_inputs.get("code_objects") or []), set(new["code_objects"])
-        detail = [f"+{o}" for o in sorted(new_objs - old_objs)] + [f"-{o}" for o in sorted(old_objs - new_objs)]
+        old_objs, new_objs = _objects(old_inputs.get("code_objects") or []), _objects(new["code_objects"])
+        detail = ([f"{o} (modified)" for o in sorted(old_objs.keys() & new_objs.keys())
+                   if old_objs[o] != new_objs[o]]
+                  + [f"+{o}" for o in sorted(new_objs.keys() - old_objs.keys())]
+                  + [f"-{o}" for o in sorted(old_objs.keys() - new_objs.keys())])
         out.append("changed code" + (f": {', '.join(detail)}" if detail else f" (the {sk.stage} stage's functions)"))
     old_lib, new_lib = old_inputs.get("libraries") or {}, new["libraries"]
     if libs := [f"{n} {old_lib.get(n, 'absent')} -> {new_lib.get(n, 'absent')}"

@@ -129,7 +129,7 @@ def test_manifest_records_key_inputs_files_and_timing(store_dir):
                                 "model.trust_remote_code"}
     assert "batch_size" not in m["config"]["tokenize"]  # runtime-only field stays out of the key
     assert any(name.endswith("tokenizer.json") for name in m["key_inputs"]["inputs"])  # tokenizer identity
-    assert "stages.tokenize.special_affixes" in m["key_inputs"]["code_objects"]
+    assert any(o.startswith("stages.tokenize.special_affixes:") for o in m["key_inputs"]["code_objects"])
     assert {"transformers", "tokenizers"} <= set(m["libraries"])
     assert m["duration_s"] > 0 and m["started_at"] < m["finished_at"]
     for f in m["files"]:

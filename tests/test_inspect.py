@@ -161,6 +161,11 @@ def test_why_changed_names_each_kind_of_input():
     assert reasons[2] == "changed deps: imdb/train.csv.gz (deleted)"
     assert reasons[3].startswith("changed code: ") and "-stages.train.gone" in reasons[3]
     assert reasons[4] == f"changed libraries: {lib} 0.0.1 -> {sk.libraries[lib]}"
+    # an edited function (same name, other source hash) is named as modified
+    edited = [o if not o.startswith("stages.train.run:") else "stages.train.run:000000000000"
+              for o in sk.code_objects]
+    reasons = why_changed({**sk.key_inputs(), "code": "old", "code_objects": edited}, sk)
+    assert reasons == ["changed code: stages.train.run (modified)"]
 
 
 def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
