@@ -109,6 +109,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
     counts: list[int] = [0] * len(prompts)
     order = length_order([len(p) for p in prompts])
     pad = tok.pad_token_id
+    eos = gen.get("eos_token_id")
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
     for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
         idx = order[i:i + batch_size]
         width = max(len(prompts[j]) for j in idx)
@@ -124,7 +126,9 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
         # decoder-only: the prompt comes back first; encoder-decoder: the decoder start token does
         new = out[:, width:] if decoder_only else out[:, 1:]
         for r, j in enumerate(idx):
-            seq = [t for t in new[r].tolist() if t != pad]  # finished rows are padded
+            seq = new[r].tolist()
+            end = next((k for k, t in enumerate(seq) if t in stops), None)
+            seq = seq if end is None else seq[:end + 1]  # a finished row is padded after its end token
             counts[j] = len(seq)
             texts[j] = tok.decode(seq, skip_special_tokens=True).strip()
     return texts, counts

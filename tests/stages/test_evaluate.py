@@ -161,3 +161,51 @@ def test_a_split_the_data_lacks_is_an_error_naming_the_fix(tmp_path):
                           upstream={"tokenize": tmp_path})
     with pytest.raises(MissingInputError, match=r"evaluate.splits \['test'\].*it has train.*set evaluate.splits"):
         evaluate.run(ctx)
+
+
+# ---------------------------------------------------------------- batched generation
+
+
+class _Tok:
+    """Just what `generate` uses of a tokenizer: the pad id and decode (1 is the end token)."""
+
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids if not (skip_special_tokens and i == 1))
+
+
+@pytest.mark.parametrize("decoder_only", [False, True], ids=["t5-right-padded", "bloom-left-padded"])
+def test_batched_generation_equals_one_at_a_time(decoder_only):
+    """Padding a batch (right for encoder-decoder, left for decoder-only prompts) does not change greedy
+    outputs: batch size 4 and 1 give the same texts and token counts, in the prompts' order."""
+    import random
+
+    import torch
+    from tiny_train import tiny_t5
+
+    from stages.evaluate import generate, prompt_of
+
+    if decoder_only:
+        from transformers import BloomConfig, BloomForCausalLM
+
+        torch.manual_seed(0)
+        model = BloomForCausalLM(BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=64, pad_token_id=0,
+                                             eos_token_id=1)).eval()
+    else:
+        model = tiny_t5().eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # large random weights: varied outputs (a fresh init predicts one token everywhere)
+        for p in model.parameters():
+            p.normal_(0, 1.0)
+    rng = random.Random(3)
+    prompts = [[rng.randint(2, 63) for _ in range(rng.randint(3, 17))] for _ in range(5)]
+    if decoder_only:  # rows are prompt + target with the prompt's labels masked
+        rows = [(p + [5, 6], [-100] * len(p) + [5, 6]) for p in prompts]
+        assert [prompt_of(x, y) for x, y in rows] == prompts
+    gen = {"max_new_tokens": 6, "num_beams": 1, "do_sample": False, "eos_token_id": 1, "pad_token_id": 0}
+    cpu = torch.device("cpu")
+    batched = generate(model, prompts, _Tok(), gen, 4, cpu, decoder_only, "test")
+    single = generate(model, prompts, _Tok(), gen, 1, cpu, decoder_only, "test")
+    assert batched == single
+    assert all(1 <= n <= 6 for n in batched[1]) and len(set(batched[0])) >= 3
