@@ -15,6 +15,10 @@ unchanged weights; with export independent of evaluate such a change reruns exac
 card names the evaluate command instead. For the same reason the card prints every section that shapes
 the weights (all of them declared in the stage's reads, so the key covers what is printed) but not
 `evaluate`.
+
+The card's `--set` list is the difference between this config and the pipeline of the same name in
+pipeline.yaml as it reads at export time; pipeline.yaml is not in the key (any edit of any pipeline would
+re-export), so after an edit of that pipeline the list can be stale. config.json is always exact.
 """
 
 from __future__ import annotations
