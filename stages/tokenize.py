@@ -40,6 +40,22 @@ def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, 
     return ids, lengths
 
 
+def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str], t: Any) -> tuple[list, list]:
+    """Causal LM rows: prompt + target + EOS, loss on the target only. The target (cut to
+    max_target_length) always fits: the prompt's head is what gets cut to make room."""
+    _, tail = special_affixes(tok)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    limit = (t.max_target_length or t.max_length) - len(eos)
+    ids, labels = [], []
+    for p, y in zip(prompts, tok(targets, add_special_tokens=False)["input_ids"], strict=True):
+        p = p[: len(p) - len(tail)] if tail else p
+        y = y[: max(limit, 1)] + eos
+        p = p[: max(t.max_length - len(y), 1)]
+        ids.append(p + y)
+        labels.append([IGNORE_INDEX] * len(p) + y)
+    return ids, labels
+
+
 def length_stats(lengths: list[int], limit: int | None) -> dict[str, float]:
     a = np.asarray(lengths)
     kept = np.minimum(a, limit) if limit else a
@@ -81,13 +97,8 @@ def run(ctx: Any) -> dict[str, Any]:
             stats[name]["target"] = length_stats(tgt_len, t.max_target_length)
             if task == "seq2seq":
                 cols["labels"] = tgt_ids
-            else:  # causal LM: prompt then target; loss on the target only
-                merged, labels = [], []
-                for p, y in zip(ids, tgt_ids, strict=True):
-                    seq = (p + y)[: t.max_length]
-                    merged.append(seq)
-                    labels.append(([IGNORE_INDEX] * len(p) + y)[: t.max_length])
-                ids, cols["labels"] = merged, labels
+            else:
+                ids, cols["labels"] = prompt_then_target(tok, ids, table.column("target").to_pylist(), t)
         else:
             cols["labels"] = ids
         cols["input_ids"] = ids
