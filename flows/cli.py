@@ -20,7 +20,7 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
         from flows.finetune import finetune
 
         state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
-                         return_state=True)
+                         str(args.config), return_state=True)
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
             return 2

@@ -22,7 +22,7 @@ from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
 from stages.cli import describe
-from stages.config import PipelineConfig, load_pipeline
+from stages.config import DEFAULT_PIPELINE_FILE, PipelineConfig, load_pipeline
 from stages.errors import FinetuneError
 from stages.pipeline import Planned, check_stage_names, plan, run_stage, stage_names, upstream_for_only
 from stages.store import Outcome, Store, open_store
@@ -177,9 +177,10 @@ STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in sta
 
 @flow(name="finetune", log_prints=True)
 def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None, only: str | None = None,
-             force: list[str] | None = None, verify: bool = False, until: str | None = None) -> list[dict[str, Any]]:
-    """Run a named pipeline of pipeline.yaml. overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
-    cfg = load_pipeline(pipeline, overrides)
+             force: list[str] | None = None, verify: bool = False, until: str | None = None,
+             config: str | None = None) -> list[dict[str, Any]]:
+    """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
+    cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
     force = force or []
     check_stage_names(force, "force")
     store = open_store()
