@@ -101,10 +101,12 @@ def attach_lora(model: Any) -> Any:
     return get_peft_model(model, lora_config(LORA, "seq2seq"))
 
 
-def row(name: str, model: Any, est_bytes: int, t: float, **extra: Any) -> dict[str, Any]:
+def row(name: str, model: Any, est_bytes: int, t: float, trains: bool = True, **extra: Any) -> dict[str, Any]:
+    """trains=False: a quantized model without adapters (its 4-bit weights cannot be trained)."""
     from stages.adapters import count_parameters
 
     trainable, total = count_parameters(model)
+    trainable = trainable if trains else None
     footprint = int(model.get_memory_footprint())
     r = {"row": name, "footprint": footprint, "estimate": est_bytes, "est_vs_measured": est_bytes / footprint,
          "total_params": total, "trainable_params": trainable, "quant_state": model_stage.quant_state_bytes(model),
@@ -119,9 +121,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             "trainable % | reduction |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
+        n = r["trainable_params"]
+        trainable = ("—", "—") if n is None else (f"{n:,}", f"{100 * n / r['total_params']:.2f}%")
         lines.append(f"| {r['row']} | {r['footprint']:,} | {r['footprint'] / 1e9:.2f} | {r['estimate']:,} | "
-                     f"{r['est_vs_measured']:.4f} | {r['total_params']:,} | {r['trainable_params']:,} | "
-                     f"{100 * r['trainable_params'] / r['total_params']:.2f}% | {base / r['footprint']:.2f}x |")
+                     f"{r['est_vs_measured']:.4f} | {r['total_params']:,} | {trainable[0]} | {trainable[1]} | "
+                     f"{base / r['footprint']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, m, q, lora_name in ROWS:
         t = time.perf_counter()
         model = load(ckpt, m, q, config)
-        rows.append(row(name, model, estimate(m, q, FULL, config).footprint, t))
+        rows.append(row(name, model, estimate(m, q, FULL, config).footprint, t, trains=False))
         if lora_name:
             t = time.perf_counter()
             model = attach_lora(model)

@@ -58,8 +58,9 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total), counting packed 4-bit weights as the parameters they hold."""
     if hasattr(model, "get_nb_trainable_parameters"):
         return model.get_nb_trainable_parameters()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    counts = [(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1), p.requires_grad)
+              for p in model.parameters()]
+    return sum(n for n, grad in counts if grad), sum(n for n, _ in counts)
 
 
 def lora_module_names(model: nn.Module) -> list[str]:

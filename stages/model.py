@@ -14,6 +14,8 @@ keeps in fp32 (T5's `wo`) stay fp32 unless `quantization.quantize_fp32_modules`.
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import json
 import logging
 import resource
@@ -81,11 +83,23 @@ def hf_config(m: Any) -> Any:
         source, kwargs, local = split_gguf(m.name, m.gguf_file)
         if local is None:
             ensure_hub_reachable(f"model {m.name}", HUB_FIX)
-        config = AutoConfig.from_pretrained(source, revision=m.revision if local is None else None,
-                                            trust_remote_code=m.trust_remote_code, **kwargs)
+        if "gguf_file" in kwargs and local is not None and local.is_file():
+            st = local.stat()  # parsing a GGUF header takes seconds: once per file version and process
+            config = copy.deepcopy(_gguf_config(str(local), st.st_size, st.st_mtime_ns))
+        else:
+            config = AutoConfig.from_pretrained(source, revision=m.revision if local is None else None,
+                                                trust_remote_code=m.trust_remote_code, **kwargs)
     if m.task == "seq_cls":
         config.num_labels = m.num_labels or 2
     return config
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
+    from transformers import AutoConfig
+
+    p = Path(path)
+    return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
 def meta_model(m: Any, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -255,7 +269,8 @@ def run(ctx: Any) -> dict[str, Any]:
         if m.from_config:
             model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
         else:
-            model = cls.from_pretrained(source, dtype=torch.float32, **kwargs, **common)
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=torch.float32,
+                                        **kwargs, **common)
             _clear_gguf_marker(model)
         if qconfig is not None or plan.dtype != torch.float32:
             base = ctx.work_dir / "base"
@@ -271,7 +286,8 @@ def run(ctx: Any) -> dict[str, Any]:
 
     out = ctx.out_dir / "model"
     model.save_pretrained(out)
-    info = {"task": m.task, "model_class": cls.__name__, "quantization": q.mode,
+    info = {"task": m.task, "model_class": cls.__name__, "trust_remote_code": m.trust_remote_code,
+            "quantization": q.mode,
             "quantize_fp32_modules": q.quantize_fp32_modules, "dtype": str(plan.dtype).removeprefix("torch."),
             "compute_dtype": str(compute_dtype(q.compute_dtype)).removeprefix("torch.")}
     (out / LOAD_INFO).write_text(json.dumps(info, indent=2))
@@ -320,7 +336,8 @@ def load_model(model_dir: Path) -> Any:
     info = load_info(folder)
     cls = getattr(transformers, info["model_class"], None) or auto_class(info["task"])
     on_gpu = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {"dtype": DTYPES[info["dtype"]] if on_gpu else torch.float32}
+    kwargs: dict[str, Any] = {"dtype": DTYPES[info["dtype"]] if on_gpu else torch.float32,
+                              "trust_remote_code": info.get("trust_remote_code", False)}
     if on_gpu and info["quantization"] != "none":
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     with fp32_modules_quantized(cls, info.get("quantize_fp32_modules", False)):
