@@ -28,6 +28,9 @@ class Stage:
     upstream: tuple[str, ...] = ()
     inputs: Callable[[PipelineConfig], list[Path]] = field(default=lambda cfg: [])
     libraries: tuple[str, ...] = OUTPUT_LIBRARIES
+    # Runs on the whole config before the body when the stage is about to compute; it may stop the run
+    # (e.g. the memory estimate) but does not change outputs, so it stays out of the key.
+    precheck: Callable[[PipelineConfig], Any] | None = None
 
 
 class ConfigView:
@@ -122,6 +125,8 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
         upstream={u: o.path for u, o in ups.items()},
         upstream_manifests={u: o.manifest for u, o in ups.items()},
         log=logging.getLogger(f"finetune.{st.name}"))
+    if st.precheck and not force and store.problems(sk.stage, sk.key):
+        st.precheck(cfg)
     outcome = store.run(
         sk, lambda out, work: st.body(ctx_factory(out, work)), pipeline=cfg.name,
         config={r: select(cfg, r) for r in st.reads},

@@ -1,9 +1,9 @@
 """The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
-Stages that do not exist yet are simply not listed; every pipeline runs this chain."""
+Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it."""
 
 from __future__ import annotations
 
-from stages import adapters, data, model, tokenize, train
+from stages import adapters, data, memory, model, tokenize, train
 from stages import evaluate as evaluate_stage
 from stages import export as export_stage
 from stages.hf import tokenizer_files
@@ -29,6 +29,7 @@ STAGES: list[Stage] = [
     Stage(
         name="model",
         body=model.run,
+        precheck=memory.check_pipeline_fits,  # stop before loading when training cannot fit
         reads=("model", "quantization", "tokenize.tokenizer"),
         inputs=model.input_files,
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
