@@ -13,6 +13,7 @@ SMALL = ("data.subset={train: 16, validation: 4, test: 4}",)
 
 
 def test_training_that_cannot_fit_stops_before_loading(store_dir, monkeypatch):
+    real_free_memory = memory.free_memory
     monkeypatch.setattr(memory, "free_memory", lambda: (1 << 20, "a 1 MiB test device"))
     with pytest.raises(ConfigError) as exc:
         run("tiny-imdb", *SMALL, until="model")
@@ -20,7 +21,7 @@ def test_training_that_cannot_fit_stops_before_loading(store_dir, monkeypatch):
     assert "pipeline tiny-imdb: estimated" in msg and "a 1 MiB test device" in msg and "accumulation" in msg
     assert not (store_dir / "model").exists()
     # with room, the same run goes through; once cached, no estimate is needed
-    monkeypatch.undo()
+    monkeypatch.setattr(memory, "free_memory", real_free_memory)
     assert "model" in computed(run("tiny-imdb", *SMALL, until="model"))
     monkeypatch.setattr(memory, "free_memory", lambda: (1 << 20, "a 1 MiB test device"))
     assert computed(run("tiny-imdb", *SMALL, until="model")) == set()  # a hit never estimates
