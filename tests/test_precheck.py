@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import psutil
 import pytest
 from helpers import computed, needs_shared_data, run
 
-from stages import memory
 from stages.errors import ConfigError
 
 pytestmark = needs_shared_data
@@ -13,15 +15,16 @@ SMALL = ("data.subset={train: 16, validation: 4, test: 4}",)
 
 
 def test_training_that_cannot_fit_stops_before_loading(store_dir, monkeypatch):
-    real_free_memory = memory.free_memory
-    monkeypatch.setattr(memory, "free_memory", lambda: (1 << 20, "a 1 MiB test device"))
+    real = psutil.virtual_memory
+    tiny = lambda: SimpleNamespace(available=1 << 20)  # noqa: E731  (1 MiB of free RAM)
+    monkeypatch.setattr(psutil, "virtual_memory", tiny)
     with pytest.raises(ConfigError) as exc:
         run("tiny-imdb", *SMALL, until="model")
     msg = str(exc.value)
-    assert "pipeline tiny-imdb: estimated" in msg and "a 1 MiB test device" in msg and "accumulation" in msg
+    assert "pipeline tiny-imdb: estimated" in msg and "CPU RAM has 0.00 GiB free" in msg and "accumulation" in msg
     assert not (store_dir / "model").exists()
-    # with room, the same run goes through; once cached, no estimate is needed
-    monkeypatch.setattr(memory, "free_memory", real_free_memory)
+    # with room, the same run goes through; once cached, no estimate is made
+    monkeypatch.setattr(psutil, "virtual_memory", real)
     assert "model" in computed(run("tiny-imdb", *SMALL, until="model"))
-    monkeypatch.setattr(memory, "free_memory", lambda: (1 << 20, "a 1 MiB test device"))
-    assert computed(run("tiny-imdb", *SMALL, until="model")) == set()  # a hit never estimates
+    monkeypatch.setattr(psutil, "virtual_memory", tiny)
+    assert computed(run("tiny-imdb", *SMALL, until="model")) == set()
