@@ -150,7 +150,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     from stages.train import load_trained
 
     sets = ("train.max_steps=3", "train.log_every=1")
-    out = run(pipeline, *sets)
+    out = run(pipeline, *sets, until="train")
     art = out["train"].path
     files = {str(p.relative_to(art)) for p in art.rglob("*") if p.is_file()}
     assert {"metrics.jsonl", "loss.png", "manifest.json"} <= files
@@ -172,7 +172,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
         saved = load_file(str(art / "trained" / "model.safetensors"))
         k = next(k for k in saved if k.endswith("score.weight"))
         assert torch.equal(dict(model.state_dict())[k], saved[k])
-    again = run(pipeline, *sets)
+    again = run(pipeline, *sets, until="train")
     assert not again["train"].computed
 
 
