@@ -52,6 +52,15 @@ def split_micro(batch: list[int], lengths: Sequence[int], micro_batch: int) -> l
     return [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
 
 
+def shard(batch: list[int], lengths: Sequence[int], rank: int, world: int) -> list[int]:
+    """Process `rank`'s share of an effective batch when `world` processes train together: the rows sorted
+    as split_micro sorts them, dealt round-robin, so shares are disjoint, cover the batch, and get rows
+    of similar lengths. The optimizer step still sees the whole effective batch (gradients are all-reduced),
+    so N processes x micro-batch m x accumulation a see the rows 1 process x m x (a N) sees."""
+    rows = sorted(batch, key=lambda i: (-lengths[i], i))
+    return rows[rank::world]
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor

@@ -165,7 +165,12 @@ class TrainConfig(Section):
     checkpoint_every: int = runtime(50, ge=1)
     keep_checkpoints: int = runtime(2, ge=1)
     log_every: int = runtime(10, ge=1)
-    num_processes: int = runtime(1, ge=1)
+    num_processes: int = Field(1, ge=1, description="processes training together, one per GPU (gloo processes on "
+                               "a CPU-only machine); > 1 runs the stage under `accelerate launch` with DDP. "
+                               "Effective batch = micro_batch_size x gradient_accumulation_steps x num_processes, "
+                               "so it is in the key")
+    main_process_port: int | None = runtime(None, ge=1, le=65535, description="num_processes > 1: the port the "
+                                            "processes rendezvous on; default a free one")
 
 
 class EvaluateConfig(Section):

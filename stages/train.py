@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from stages import adapters
-from stages.batching import IGNORE_INDEX, Batch, collate, epoch_batches, split_micro
+from stages import adapters, distributed
+from stages.batching import IGNORE_INDEX, Batch, collate, epoch_batches, shard, split_micro
 from stages.checkpoint import TrainingProgress, latest_checkpoint, load_checkpoint, save_checkpoint
 from stages.errors import ConfigError, MissingInputError
 
@@ -71,10 +71,13 @@ def summed_loss(model: torch.nn.Module, batch: Batch, task: str) -> torch.Tensor
 
 
 def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: str,
-                      accelerator: Any = None) -> float:
+                      accelerator: Any = None, *, denominator: int | None = None, scale: float = 1.0) -> float:
     """Forward and backward every micro-batch of one effective batch. The gradients left in .grad are
-    those of the loss averaged over the whole effective batch. Returns that loss."""
-    denominator = max(sum(loss_units(mb, task) for mb in micro_batches), 1)
+    those of the loss averaged over the whole effective batch. Returns that loss.
+    Across processes (see shard_window) `denominator` is the count over the whole *global* effective
+    batch and `scale` multiplies what is backpropagated (not the loss returned)."""
+    if denominator is None:
+        denominator = max(sum(loss_units(mb, task) for mb in micro_batches), 1)
     total = torch.zeros(())
     for k, mb in enumerate(micro_batches):
         is_accumulating = k < len(micro_batches) - 1
@@ -83,12 +86,37 @@ def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: 
             else contextlib.nullcontext()
         with sync:
             loss = summed_loss(model, mb, task) / denominator
+            scaled = loss * scale if scale != 1.0 else loss
             if accelerator is not None:
-                accelerator.backward(loss)
+                accelerator.backward(scaled)
             else:
-                loss.backward()
+                scaled.backward()
         total += loss.detach().float().cpu()
     return float(total)
+
+
+def shard_window(model: torch.nn.Module, rows: Rows, idx: list[int], micro_batch_size: int, pad_id: int,
+                 task: str, accelerator: Any) -> tuple[float, int, int]:
+    """This process's share of one *global* effective batch (N processes: batching.shard deals its rows
+    out), forward and backward. The loss is divided by the count over the whole global effective batch
+    (the per-process counts, all-reduced) and multiplied by N before backward, because DDP *averages*
+    gradients over processes: the all-reduced gradient is then exactly that of the loss averaged over the
+    global effective batch, as in one process. Returns the global loss, real and padded tokens."""
+    world, device = accelerator.num_processes, accelerator.device
+    mine = shard(idx, rows.lengths, accelerator.process_index, world)
+    micro = [mb.to(device) for mb in rows.batches(mine, micro_batch_size, pad_id, task)] if mine else []
+    units = torch.tensor([sum(loss_units(mb, task) for mb in micro)], dtype=torch.long, device=device)
+    denominator = max(int(accelerator.reduce(units, reduction="sum").item()), 1)
+    if micro:
+        loss = accumulate_window(model, micro, task, accelerator, denominator=denominator, scale=float(world))
+    else:  # a short last batch with fewer rows than processes: a zero-weight pass keeps DDP's all-reduce in step
+        dummy = rows.batches(idx[:1], 1, pad_id, task)[0].to(device)
+        accumulate_window(model, [dummy], task, accelerator, denominator=denominator, scale=0.0)
+        loss = 0.0
+    stats = torch.tensor([loss, sum(mb.real_tokens for mb in micro), sum(mb.padded_tokens for mb in micro)],
+                         dtype=torch.float64, device=device)
+    loss, real, padded = accelerator.reduce(stats, reduction="sum").tolist()
+    return loss, int(real), int(padded)
 
 
 # ====================================================================== setup helpers
@@ -292,6 +320,19 @@ class RunLog:
         plot_loss(self.path, out_dir / "loss.png")
 
 
+class NoRunLog:
+    """What processes other than rank 0 log: nothing (rank 0 writes metrics for the whole batch)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def export(self, out_dir: Path) -> None:
+        pass
+
+
 def plot_loss(metrics_path: Path, png: Path) -> None:
     import matplotlib
 
@@ -320,7 +361,9 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
                 out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds`; write metrics.jsonl, tensorboard/ and loss.png
     to out_dir; resume from (and checkpoint to) work_dir/checkpoints. Returns the manifest metrics.
-    `on_step(step, loss)` is a test hook called after every optimizer step."""
+    `on_step(step, loss)` is a test hook called after every optimizer step.
+    Under `accelerate launch` (N processes) each process trains on its shard of every effective batch
+    (shard_window); only rank 0 validates, logs and writes checkpoints and out_dir."""
     if task not in TASKS:
         raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
     if pad_id is None:
@@ -329,6 +372,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     # ---------------------------------------------------------------- setup
     accelerator, precision = make_accelerator(tcfg.mixed_precision, log)
     device = accelerator.device
+    world, is_main = accelerator.num_processes, accelerator.is_main_process
     if precision != "no":
         upcast_trainable(model, log)
     if tcfg.gradient_checkpointing:
@@ -337,7 +381,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     if not len(rows):
         raise MissingInputError("train: the train split is empty; check data.subset / data.split")
     val_rows = Rows(val_ds) if val_ds is not None and len(val_ds) else None
-    effective = tcfg.micro_batch_size * tcfg.gradient_accumulation_steps
+    effective = tcfg.micro_batch_size * tcfg.gradient_accumulation_steps * world
     steps_per_epoch = math.ceil(len(rows) / effective)
     total_steps = tcfg.max_steps or math.ceil(tcfg.epochs * steps_per_epoch)
     optimizer = make_optimizer(model, tcfg.optimizer, tcfg.lr, tcfg.weight_decay, device, log)
@@ -346,30 +390,33 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     model.train()
     model, optimizer = accelerator.prepare(model, optimizer)
     scaler = accelerator.scaler  # None unless fp16
+    core = model if world == 1 else accelerator.unwrap_model(model)  # DDP's module: checkpoints, validation
 
     progress = TrainingProgress(micro_batch_size=tcfg.micro_batch_size)
     ckpt_dir = work_dir / "checkpoints"
     resumed_from = None
     if (ckpt := latest_checkpoint(ckpt_dir)) is not None:
-        progress = load_checkpoint(ckpt, model, optimizer, scheduler, scaler)
+        progress = load_checkpoint(ckpt, core, optimizer, scheduler, scaler)
         resumed_from = progress.step
         log.info("train: resumed from step %d (epoch %d, batch %d of the epoch) - checkpoint %s",
                  progress.step, progress.epoch + 1, progress.batches_done, ckpt.name)
-    runlog = RunLog(work_dir / "logs", progress.step)
+    runlog = RunLog(work_dir / "logs", progress.step) if is_main else NoRunLog()
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in model.parameters())
-    log.info("train: %d examples, effective batch %d = micro-batch %d x accumulation %d, %d steps/epoch, "
+    log.info("train: %d examples, effective batch %d = micro-batch %d x accumulation %d%s, %d steps/epoch, "
              "%d steps; %s lr %.2g; %d trainable of %d params (%.2f%%)", len(rows), effective,
-             tcfg.micro_batch_size, tcfg.gradient_accumulation_steps, steps_per_epoch, total_steps,
+             tcfg.micro_batch_size, tcfg.gradient_accumulation_steps,
+             f" x {world} processes" if world > 1 else "", steps_per_epoch, total_steps,
              tcfg.optimizer, tcfg.lr, n_trainable, n_total, 100 * n_trainable / max(n_total, 1))
 
     def checkpoint() -> None:
-        save_checkpoint(ckpt_dir, progress, model, optimizer, scheduler, scaler, tcfg.keep_checkpoints)
+        if is_main:
+            save_checkpoint(ckpt_dir, progress, core, optimizer, scheduler, scaler, tcfg.keep_checkpoints)
 
     def validate() -> None:
-        if val_rows is None:
+        if val_rows is None or not is_main:
             return
-        res = evaluate_loss(model, val_rows, task, pad_id, 2 * progress.micro_batch_size, device)  # no grads: room
+        res = evaluate_loss(core, val_rows, task, pad_id, 2 * progress.micro_batch_size, device)  # no grads: room
         rec = {"kind": "validation", "step": progress.step, "epoch": progress.epoch + 1, **res}
         progress.history.append(rec)
         runlog.write(rec)
@@ -377,7 +424,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
                  " | ".join(f"{k} {v:.4f}" for k, v in res.items()))
 
     # ---------------------------------------------------------------- loop
-    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", disable=None)
+    bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", disable=None if is_main else True)
     first_loss = last_loss = None
     while progress.step < total_steps:
         epoch_plan = epoch_batches(rows.lengths, effective, tcfg.seed, progress.epoch, tcfg.group_by_length)
@@ -386,11 +433,18 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
             t0 = time.perf_counter()
             while True:  # one optimizer step; retried with half the micro-batch on OOM
                 try:
-                    micro = rows.batches(idx, progress.micro_batch_size, pad_id, task)
-                    loss = accumulate_window(model, [mb.to(device) for mb in micro], task, accelerator)
+                    if world == 1:
+                        micro = rows.batches(idx, progress.micro_batch_size, pad_id, task)
+                        loss = accumulate_window(model, [mb.to(device) for mb in micro], task, accelerator)
+                        real = sum(mb.real_tokens for mb in micro)
+                        padded = sum(mb.padded_tokens for mb in micro)
+                    else:
+                        loss, real, padded = shard_window(model, rows, idx, progress.micro_batch_size, pad_id,
+                                                          task, accelerator)
                     break
                 except RuntimeError as err:
-                    if not is_oom(err) or progress.micro_batch_size == 1:
+                    # across processes one rank cannot retry alone (the others wait in the all-reduce)
+                    if not is_oom(err) or progress.micro_batch_size == 1 or world > 1:
                         raise
                     old = progress.micro_batch_size
                 optimizer.zero_grad(set_to_none=True)
@@ -411,8 +465,6 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
             optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - t0
 
-            real = sum(mb.real_tokens for mb in micro)
-            padded = sum(mb.padded_tokens for mb in micro)
             progress.step += 1
             progress.batches_done += 1
             progress.real_tokens += real
@@ -460,9 +512,10 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
         "steps": progress.step,
         "epochs_done": round(progress.epoch + progress.batches_done / max(steps_per_epoch, 1), 4),
         "examples": len(rows),
-        "effective_batch": effective,
+        "effective_batch": effective,  # micro_batch_size x gradient_accumulation_steps x num_processes
         "micro_batch_size": progress.micro_batch_size,
-        "gradient_accumulation_steps": math.ceil(effective / progress.micro_batch_size),
+        "gradient_accumulation_steps": math.ceil(effective / (progress.micro_batch_size * world)),
+        "num_processes": world,
         "precision": precision,
         "optimizer": tcfg.optimizer,
         "trainable_params": n_trainable,
@@ -494,19 +547,56 @@ def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
 
 
 def run(ctx: Any) -> dict[str, Any]:
+    task, tcfg = ctx.cfg.model.task, ctx.cfg.train
+    if tcfg.num_processes > 1:  # the same body, once per process, under `accelerate launch`
+        return launch_training(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
+    return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
+
+
+def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+                log: logging.Logger) -> dict[str, Any]:
     import datasets
     from transformers import AutoTokenizer
 
-    task, tcfg = ctx.cfg.model.task, ctx.cfg.train
-    tok_dir = ctx.upstream["tokenize"]
+    tok_dir = upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     pad_id = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer")).pad_token_id
-    model = adapters.load_trainable(ctx.upstream["model"], ctx.upstream["adapters"],
+    model = adapters.load_trainable(upstream["model"], upstream["adapters"],
                                     gradient_checkpointing=tcfg.gradient_checkpointing)
     metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
-                          pad_id, ctx.out_dir, ctx.work_dir, ctx.log)
-    save_trained(model, ctx.out_dir / "trained", ctx.upstream["model"])
+                          pad_id, out_dir, work_dir, log)
+    if metrics["num_processes"] == 1 or distributed_rank() == 0:  # only rank 0 writes the artifact
+        save_trained(model, out_dir / "trained", upstream["model"])
     return metrics
+
+
+def distributed_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def launch_training(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+                    log: logging.Logger) -> dict[str, Any]:
+    """train.num_processes > 1: run `train_worker` in that many processes (one per GPU; gloo processes on
+    a CPU-only machine) under `accelerate launch`, owned and awaited by this stage. Rank 0 writes
+    checkpoints into work_dir and the artifact into out_dir, which are passed down as they are."""
+    n = tcfg.num_processes
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise ConfigError(f"train.num_processes: {n} processes need {n} GPUs, this machine has "
+                          f"{torch.cuda.device_count()}; lower train.num_processes")
+    args = {"task": task, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
+            "out_dir": str(out_dir), "work_dir": str(work_dir)}
+    return distributed.launch("stages.train:train_worker", args, n, work_dir / "launch", log,
+                              port=tcfg.main_process_port, what="train")
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One of the launched processes (stages.distributed runs it; rank 0's return value is the stage's)."""
+    from stages.config import TrainConfig
+
+    return train_stage(args["task"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
+                       Path(args["out_dir"]), Path(args["work_dir"]), logging.getLogger("finetune.train"))
 
 
 def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:

@@ -1,0 +1,88 @@
+"""Multi-process training: the train loop under `accelerate launch` (2 gloo processes on CPU) against one
+process on the same data order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
+
+from stages.batching import epoch_batches, shard
+from stages.checkpoint import checkpoints
+from stages.distributed import LaunchError, launch
+from stages.errors import ConfigError
+from stages.train import train_model
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("test.distributed")
+# 25 rows / effective batch 4: 6 full batches and a last batch of one row (one process gets none), 2 epochs
+ROWS, SEED = 25, 13
+SETTINGS = {"micro_batch_size": 1, "epochs": 2, "optimizer": "adamw_torch", "max_grad_norm": 1.0,
+            "lr_scheduler": "linear", "warmup_steps": 2, "checkpoint_every": 5}
+
+
+def train_tiny(args: dict) -> dict:
+    """Runs in each launched process: the tiny classifier, 1 x 2 per process; rank 0 saves its weights."""
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
+                    tcfg(**SETTINGS, gradient_accumulation_steps=2), "seq_cls", PAD, Path(args["out"]),
+                    Path(args["work"]), logging.getLogger("test.distributed"))
+    if torch.distributed.get_rank() == 0:
+        save_file(trainable(model), args["weights"])
+    return m
+
+
+def fail(args: dict) -> None:
+    if args["kind"] == "config" and int(os.environ["RANK"]) == 1:
+        raise ConfigError("train.something: bad value; set it to 1")
+    if args["kind"] == "crash":
+        raise RuntimeError("boom in the worker")
+
+
+def test_shards_are_disjoint_and_cover_the_effective_batch():
+    lengths = [len(r["input_ids"]) for r in cls_rows(ROWS, seed=SEED)]
+    for batch in epoch_batches(lengths, 4, seed=1, epoch=0):
+        parts = [shard(batch, lengths, r, 2) for r in range(2)]
+        assert sorted(parts[0] + parts[1]) == sorted(batch) and not set(parts[0]) & set(parts[1])
+
+
+def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path):
+    """Acceptance: 2 processes (gloo) x micro-batch 1 x accumulation 2 = 1 process x micro-batch 1 x accumulation 4."""
+    from safetensors.torch import load_file
+
+    ref_model = tiny_classifier()
+    ref = train_model(ref_model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
+                      tcfg(**SETTINGS, gradient_accumulation_steps=4), "seq_cls", PAD, tmp_path / "o1", tmp_path / "w1",
+                      log)
+    out, work = tmp_path / "o2", tmp_path / "w2"
+    lines = logging.getLogger("test.distributed.launch")
+    m = launch("test_distributed:train_tiny", {"out": str(out), "work": str(work), "weights": str(tmp_path / "w.st")},
+               2, tmp_path / "launch", lines, pythonpath=[str(HERE)])
+    diff = max_diff(trainable(ref_model), load_file(str(tmp_path / "w.st")))
+    print(f"2 processes x 1 x 2 vs 1 process x 1 x 4, {m['steps']} steps: max |w2 - w1| = {diff:.2e}")
+    assert diff < 1e-5
+    assert m["steps"] == ref["steps"] == 14 and m["effective_batch"] == ref["effective_batch"] == 4
+    assert m["num_processes"] == 2 and m["gradient_accumulation_steps"] == 2 and ref["num_processes"] == 1
+    assert m["real_tokens"] == ref["real_tokens"] and m["padded_tokens"] >= m["real_tokens"]
+    assert m["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
+    assert [v["val_loss"] for v in m["validation"]] == pytest.approx([v["val_loss"] for v in ref["validation"]], abs=1e-5)
+    # rank 0 alone wrote the run log and the checkpoints
+    train_lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in train_lines if x["kind"] == "train"] == list(range(1, 15))
+    assert [s for s, _ in checkpoints(work / "checkpoints")] == [10, 14]
+
+
+def test_a_failed_process_is_a_clear_stage_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.something: bad value; set it to 1 \(raised in process 1 of 2\)"):
+        launch("test_distributed:fail", {"kind": "config"}, 2, tmp_path / "a", log, pythonpath=[str(HERE)])
+    crash = r"process [01] of 2 under accelerate launch failed with RuntimeError: boom in the worker .*num_processes=1"
+    with pytest.raises(LaunchError, match=crash):
+        launch("test_distributed:fail", {"kind": "crash"}, 2, tmp_path / "b", log, pythonpath=[str(HERE)])
