@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -595,6 +596,8 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """One of the launched processes (stages.distributed runs it; rank 0's return value is the stage's)."""
     from stages.config import TrainConfig
 
+    if torch.cuda.is_available():  # before loading: a quantized model goes to the current device (model.load_model)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return train_stage(args["task"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
                        Path(args["out_dir"]), Path(args["work_dir"]), logging.getLogger("finetune.train"))
 
