@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.batching import epoch_batches, shard
@@ -19,6 +19,7 @@ from stages.errors import ConfigError
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
+PATHS = [str(HERE), str(HERE.parent)]  # this module and tests/helpers.py, importable in the launched processes
 log = logging.getLogger("test.distributed")
 # 25 rows / effective batch 4: 6 full batches and a last batch of one row (one process gets none), 2 epochs
 ROWS, SEED = 25, 13
@@ -40,11 +41,8 @@ def train_tiny(args: dict) -> dict:
     return m
 
 
-def fail(args: dict) -> None:
-    if args["kind"] == "config" and int(os.environ["RANK"]) == 1:
-        raise ConfigError("train.something: bad value; set it to 1")
-    if args["kind"] == "crash":
-        raise RuntimeError("boom in the worker")
+def crash(args: dict) -> None:
+    raise RuntimeError("boom in the worker")
 
 
 def test_shards_are_disjoint_and_cover_the_effective_batch():
@@ -65,7 +63,7 @@ def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path):
     out, work = tmp_path / "o2", tmp_path / "w2"
     lines = logging.getLogger("test.distributed.launch")
     m = launch("test_distributed:train_tiny", {"out": str(out), "work": str(work), "weights": str(tmp_path / "w.st")},
-               2, tmp_path / "launch", lines, pythonpath=[str(HERE)])
+               2, tmp_path / "launch", lines, pythonpath=PATHS)
     diff = max_diff(trainable(ref_model), load_file(str(tmp_path / "w.st")))
     print(f"2 processes x 1 x 2 vs 1 process x 1 x 4, {m['steps']} steps: max |w2 - w1| = {diff:.2e}")
     assert diff < 1e-5
@@ -80,9 +78,24 @@ def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path):
     assert [s for s, _ in checkpoints(work / "checkpoints")] == [10, 14]
 
 
-def test_a_failed_process_is_a_clear_stage_error(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.something: bad value; set it to 1 \(raised in process 1 of 2\)"):
-        launch("test_distributed:fail", {"kind": "config"}, 2, tmp_path / "a", log, pythonpath=[str(HERE)])
+@needs_shared_data
+def test_the_stage_with_two_processes_through_the_store(store_dir):
+    """train.num_processes=2 on tiny-imdb: the stage launches itself, rank 0 writes the artifact, the
+    manifest reports the effective batch with the processes; a config error inside is the stage's error."""
+    from stages.train import load_trained
+
+    out = run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", until="train")
+    art, m = out["train"].path, out["train"].manifest["metrics"]
+    assert (m["num_processes"], m["micro_batch_size"], m["gradient_accumulation_steps"]) == (2, 4, 2)
+    assert m["effective_batch"] == 16 and m["steps"] == 2 and m["real_tokens"] > 0
+    assert {"model.safetensors", "config.json"} <= {p.name for p in (art / "trained").iterdir()}
+    assert (art / "metrics.jsonl").is_file() and (art / "loss.png").is_file()
+    load_trained(out["model"].path, out["adapters"].path, art)
+    with pytest.raises(ConfigError, match=r"fp16 needs a CUDA GPU.*\(raised in process 0 of 2\)"):
+        run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", "train.mixed_precision=fp16", until="train")
+
+
+def test_a_crashed_process_is_a_clear_stage_error(tmp_path):
     crash = r"process [01] of 2 under accelerate launch failed with RuntimeError: boom in the worker .*num_processes=1"
     with pytest.raises(LaunchError, match=crash):
-        launch("test_distributed:fail", {"kind": "crash"}, 2, tmp_path / "b", log, pythonpath=[str(HERE)])
+        launch("test_distributed:crash", {}, 2, tmp_path / "b", log, pythonpath=PATHS)
