@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -115,10 +116,10 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
-    """The error the first process (by rank) reported: a FinetuneError rebuilt with its own class, anything
-    else as a LaunchError naming the exception and the fix."""
-    for path in sorted(run_dir.glob("error-*.json")):
-        info = json.loads(path.read_text())
+    """The first error a process reported (the cause; the others' errors follow from it, e.g. a lost
+    peer): a FinetuneError rebuilt with its own class, anything else a LaunchError naming it and the fix."""
+    reports = [json.loads(p.read_text()) for p in run_dir.glob("error-*.json")]
+    for info in sorted(reports, key=lambda r: (r["time"], r["rank"]))[:1]:
         where = f"process {info['rank']} of {info['world']}"
         cls = getattr(errors, info["type"], None)
         if isinstance(cls, type) and issubclass(cls, FinetuneError):
@@ -149,14 +150,14 @@ def main(argv: list[str]) -> int:
     try:
         result = getattr(importlib.import_module(module), name)(spec["args"])
     except FinetuneError as err:
-        _write_json(run_dir / f"error-{rank:03d}.json",
-                    {"type": type(err).__name__, "message": str(err), "rank": rank, "world": world})
+        _write_json(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
+                                                          "rank": rank, "world": world, "time": time.time()})
         logging.getLogger("finetune.distributed").error("%s", err)
         return err.exit_code
     except Exception as err:
         traceback.print_exc(file=sys.stdout)
-        _write_json(run_dir / f"error-{rank:03d}.json",
-                    {"type": type(err).__name__, "message": str(err), "rank": rank, "world": world})
+        _write_json(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
+                                                          "rank": rank, "world": world, "time": time.time()})
         return 1
     if rank == 0:
         _write_json(run_dir / "result.json", result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -28,21 +29,34 @@ SETTINGS = {"micro_batch_size": 1, "epochs": 2, "optimizer": "adamw_torch", "max
 
 
 def train_tiny(args: dict) -> dict:
-    """Runs in each launched process: the tiny classifier, 1 x 2 per process; rank 0 saves its weights."""
+    """Runs in each launched process: the tiny classifier, 1 x 2 per process; rank 0 saves its weights.
+    With `crash_at`, process 1 raises after that optimizer step."""
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])  # set by the launcher (the process group starts inside train_model)
+
+    def on_step(step: int, loss: float) -> None:
+        if rank == 1 and step == args.get("crash_at"):
+            raise RuntimeError(f"boom in the worker at step {step}")
+
     model = tiny_classifier()
     m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
                     tcfg(**SETTINGS, gradient_accumulation_steps=2), "seq_cls", PAD, Path(args["out"]),
-                    Path(args["work"]), logging.getLogger("test.distributed"))
-    if torch.distributed.get_rank() == 0:
+                    Path(args["work"]), logging.getLogger("test.distributed"), on_step=on_step)
+    if rank == 0:
         save_file(trainable(model), args["weights"])
     return m
 
 
-def crash(args: dict) -> None:
-    raise RuntimeError("boom in the worker")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """1 process x micro-batch 1 x accumulation 4, in this process."""
+    d = tmp_path_factory.mktemp("ref")
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
+                    tcfg(**SETTINGS, gradient_accumulation_steps=4), "seq_cls", PAD, d / "out", d / "work", log)
+    return m, trainable(model)
 
 
 def test_shards_are_disjoint_and_cover_the_effective_batch():
@@ -52,19 +66,15 @@ def test_shards_are_disjoint_and_cover_the_effective_batch():
         assert sorted(parts[0] + parts[1]) == sorted(batch) and not set(parts[0]) & set(parts[1])
 
 
-def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path):
+def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path, reference):
     """Acceptance: 2 processes (gloo) x micro-batch 1 x accumulation 2 = 1 process x micro-batch 1 x accumulation 4."""
     from safetensors.torch import load_file
 
-    ref_model = tiny_classifier()
-    ref = train_model(ref_model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
-                      tcfg(**SETTINGS, gradient_accumulation_steps=4), "seq_cls", PAD, tmp_path / "o1", tmp_path / "w1",
-                      log)
+    ref, ref_weights = reference
     out, work = tmp_path / "o2", tmp_path / "w2"
-    lines = logging.getLogger("test.distributed.launch")
     m = launch("test_distributed:train_tiny", {"out": str(out), "work": str(work), "weights": str(tmp_path / "w.st")},
-               2, tmp_path / "launch", lines, pythonpath=PATHS)
-    diff = max_diff(trainable(ref_model), load_file(str(tmp_path / "w.st")))
+               2, tmp_path / "launch", log, pythonpath=PATHS)
+    diff = max_diff(ref_weights, load_file(str(tmp_path / "w.st")))
     print(f"2 processes x 1 x 2 vs 1 process x 1 x 4, {m['steps']} steps: max |w2 - w1| = {diff:.2e}")
     assert diff < 1e-5
     assert m["steps"] == ref["steps"] == 14 and m["effective_batch"] == ref["effective_batch"] == 4
@@ -95,7 +105,22 @@ def test_the_stage_with_two_processes_through_the_store(store_dir):
         run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", "train.mixed_precision=fp16", until="train")
 
 
-def test_a_crashed_process_is_a_clear_stage_error(tmp_path):
-    crash = r"process [01] of 2 under accelerate launch failed with RuntimeError: boom in the worker .*num_processes=1"
+def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path, reference, caplog):
+    """Process 1 dies after step 7: one LaunchError naming the exception and the fix; the rerun resumes
+    from rank 0's step-5 checkpoint and ends with the uninterrupted weights."""
+    from safetensors.torch import load_file
+
+    args = {"out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "weights": str(tmp_path / "w.st")}
+    crash = r"process 1 of 2 under accelerate launch failed with RuntimeError: boom in the worker at step 7 .*num_processes=1"
     with pytest.raises(LaunchError, match=crash):
-        launch("test_distributed:crash", {}, 2, tmp_path / "b", log, pythonpath=PATHS)
+        launch("test_distributed:train_tiny", {**args, "crash_at": 7}, 2, tmp_path / "launch", log, pythonpath=PATHS)
+    assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [5]
+    with caplog.at_level(logging.INFO, logger="test.distributed"):
+        m = launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS)
+    assert m["resumed_from_step"] == 5 and any("resumed from step 5 " in r.message for r in caplog.records)
+    diff = max_diff(reference[1], load_file(args["weights"]))
+    print(f"crashed after step 7, resumed from step 5: max |w - w_reference| = {diff:.2e}")
+    assert diff < 1e-5
+    steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert steps == list(range(1, 15))  # nothing lost or doubled across the crash
