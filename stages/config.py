@@ -171,6 +171,9 @@ class TrainConfig(Section):
                                "so it is in the key")
     main_process_port: int | None = runtime(None, ge=1, le=65535, description="num_processes > 1: the port the "
                                             "processes rendezvous on; default a free one")
+    accelerate_config: str | None = runtime(None, description="num_processes > 1: an `accelerate config` file "
+                                            "(machine settings such as gpu_ids) for accelerate launch; DDP only "
+                                            "(distributed_type MULTI_GPU / MULTI_CPU)")
 
 
 class EvaluateConfig(Section):

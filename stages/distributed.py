@@ -48,18 +48,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(payload: Path, num_processes: int, port: int) -> list[str]:
+def check_accelerate_config(path: str | Path, what: str = "train") -> Path:
+    """An `accelerate config` file for the launch (machine settings: gpu_ids, NCCL, ...). Its
+    distributed_type must be DDP (MULTI_GPU, or MULTI_CPU): FSDP and DeepSpeed shard weights and optimizer
+    state, and the train loop's checkpoints, rank-0 validation and artifact assume whole copies."""
+    import yaml
+
+    from stages.errors import ConfigError, MissingInputError
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise MissingInputError(f"{what}.accelerate_config: {file} not found; write one with `accelerate config "
+                                f"--config_file {file}`, or set it to null")
+    try:
+        doc = yaml.safe_load(file.read_text()) or {}  # accelerate writes YAML or JSON; YAML reads both
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what}.accelerate_config: {file} is not valid YAML/JSON ({e}); fix it") from None
+    kind = str(doc.get("distributed_type", "NO")).upper() if isinstance(doc, dict) else "?"
+    if kind not in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        raise ConfigError(f"{what}.accelerate_config: {file} sets distributed_type {kind}; the train stage runs "
+                          f"DDP only (MULTI_GPU, or MULTI_CPU): FSDP / DeepSpeed sharded checkpoints are not "
+                          f"supported yet; use a DDP config or set {what}.accelerate_config to null")
+    if isinstance(doc, dict) and doc.get("use_cpu"):
+        raise ConfigError(f"{what}.accelerate_config: {file} sets use_cpu: true, with which accelerate launch starts "
+                          f"one process; remove it (without CUDA the processes train on CPU over gloo anyway)")
+    return file
+
+
+def launch_command(payload: Path, num_processes: int, port: int, config_file: Path | None = None) -> list[str]:
     """The `accelerate launch` command line (accelerate's own defaults spelled out, so it prints no
-    'values were not passed' warning; precision is set by the Accelerator inside)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+    'values were not passed' warning; precision is set by the Accelerator inside). Flags given here win
+    over the same settings in `config_file`."""
+    config = ["--config_file", str(config_file)] if config_file else []
+    return [sys.executable, "-m", "accelerate.commands.launch", *config, "--multi_gpu",
+            "--num_processes", str(num_processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(port), "-m", "stages.distributed", str(payload)]
 
 
 def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path, log: logging.Logger, *,
-           port: int | None = None, what: str = "train", pythonpath: list[str] = ()) -> Any:
+           port: int | None = None, config_file: str | Path | None = None, what: str = "train",
+           pythonpath: list[str] = ()) -> Any:
     """Call `target` ("module:function") with `args` in each of `num_processes` processes; return rank 0's
-    result. `what` names the stage in error messages; `pythonpath` is prepended for the processes."""
+    result. `config_file`: an `accelerate config` file (DDP); `what` names the stage in error messages;
+    `pythonpath` is prepended for the processes."""
+    config = check_accelerate_config(config_file, what) if config_file else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in [run_dir / "result.json", *run_dir.glob("error-*.json")]:
@@ -67,7 +100,7 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
     payload = run_dir / "payload.json"
     payload.write_text(json.dumps({"target": target, "args": args, "run_dir": str(run_dir)}, indent=1))
     port = port or free_port()
-    cmd = launch_command(payload, num_processes, port)
+    cmd = launch_command(payload, num_processes, port, config)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))

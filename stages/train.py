@@ -589,7 +589,7 @@ def launch_training(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Pa
     args = {"task": task, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
             "out_dir": str(out_dir), "work_dir": str(work_dir)}
     return distributed.launch("stages.train:train_worker", args, n, work_dir / "launch", log,
-                              port=tcfg.main_process_port, what="train")
+                              port=tcfg.main_process_port, config_file=tcfg.accelerate_config, what="train")
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:

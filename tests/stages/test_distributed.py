@@ -115,8 +115,12 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
     with pytest.raises(LaunchError, match=crash):
         launch("test_distributed:train_tiny", {**args, "crash_at": 7}, 2, tmp_path / "launch", log, pythonpath=PATHS)
     assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [5]
+    # the rerun also passes an accelerate config file (DDP; its num_processes is overridden by ours)
+    config = tmp_path / "accelerate.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nnum_machines: 1\ngpu_ids: all\n")
     with caplog.at_level(logging.INFO, logger="test.distributed"):
-        m = launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS)
+        m = launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS,
+                   config_file=config)
     assert m["resumed_from_step"] == 5 and any("resumed from step 5 " in r.message for r in caplog.records)
     diff = max_diff(reference[1], load_file(args["weights"]))
     print(f"crashed after step 7, resumed from step 5: max |w - w_reference| = {diff:.2e}")
@@ -124,3 +128,19 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
     steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
     assert steps == list(range(1, 15))  # nothing lost or doubled across the crash
+
+
+def test_accelerate_config_must_be_ddp(tmp_path):
+    from stages.distributed import check_accelerate_config
+    from stages.errors import MissingInputError
+
+    with pytest.raises(MissingInputError, match="train.accelerate_config: .* not found; write one with `accelerate config"):
+        check_accelerate_config(tmp_path / "none.yaml")
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2}\n")
+    with pytest.raises(ConfigError, match="distributed_type FSDP; the train stage runs DDP only"):
+        check_accelerate_config(tmp_path / "fsdp.yaml")
+    (tmp_path / "cpu.yaml").write_text("distributed_type: MULTI_CPU\nuse_cpu: true\n")
+    with pytest.raises(ConfigError, match="use_cpu: true, with which accelerate launch starts one process"):
+        check_accelerate_config(tmp_path / "cpu.yaml")
+    (tmp_path / "ddp.yaml").write_text("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n")
+    assert check_accelerate_config(tmp_path / "ddp.yaml") == tmp_path / "ddp.yaml"
