@@ -17,6 +17,13 @@ doubles accumulation (the same effective batch) and retries the step.
 
 Cleanup: validation at each epoch end, metrics.jsonl + TensorBoard events + loss.png into the artifact,
 the trained weights saved by `run` (PEFT adapter for LoRA, the whole model for `full`).
+
+Several processes (train.num_processes > 1): `run` starts itself under `accelerate launch` (stages/
+distributed.py), one process per GPU (gloo processes on CPU), and waits. Effective batch = micro-batch x
+accumulation x processes; every process takes its shard of each effective batch (batching.shard), the loss
+denominator is the count over the whole global batch, and DDP averages the gradients (shard_window), so the
+weights equal one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and
+writes the artifact. The OOM back-off is off there (one process cannot retry alone).
 """
 
 from __future__ import annotations
