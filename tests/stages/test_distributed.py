@@ -53,9 +53,14 @@ def train_tiny(args: dict) -> dict:
 def reference(tmp_path_factory) -> tuple[dict, dict]:
     """1 process x micro-batch 1 x accumulation 4, in this process."""
     d = tmp_path_factory.mktemp("ref")
-    model = tiny_classifier()
-    m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
-                    tcfg(**SETTINGS, gradient_accumulation_steps=4), "seq_cls", PAD, d / "out", d / "work", log)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only contend with the launched processes
+    try:
+        model = tiny_classifier()
+        m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
+                        tcfg(**SETTINGS, gradient_accumulation_steps=4), "seq_cls", PAD, d / "out", d / "work", log)
+    finally:
+        torch.set_num_threads(threads)
     return m, trainable(model)
 
 
