@@ -13,14 +13,21 @@ shared, and a rerun of the bench reuses finished trainings. Test accuracy is on 
 reviews (the article's split: shuffle_concat seed 1, the first 1,000 of its 10,000 test rows). The table
 (markdown) goes to bench/out/reproduce_accumulation.md and stdout.
 
-Why these sizes: on 2 CPU cores MiniLM trains at ~500-900 real tokens/s, so three trainings of
-`--train` reviews x `--max-length` tokens plus three evaluations of 1,000 reviews fit in about half an
-hour on a quiet machine with the defaults (1,024 reviews - the demo's training set - and 256 tokens;
-micro-batch 1 runs at ~300 tokens/s, half the batched rate), and in about an hour while other work
-shares the cores. The article trained BLOOM-560m on 35,000 reviews of up to 1,024 tokens on a GPU.
+Why these sizes: on 2 CPU cores MiniLM trains at ~600-900 real tokens/s with one torch thread, so three
+trainings of `--train` reviews x `--max-length` tokens plus three evaluations of 1,000 reviews take
+about 25 minutes with the defaults (1,024 reviews - the demo's training set - and 256 tokens), and up
+to an hour while other jobs share the cores. Run it with OMP_NUM_THREADS=1 on a shared machine: with two
+threads per process and other jobs on the cores, OpenMP threads wait on each other (33-250 tokens/s
+measured). The article trained BLOOM-560m on 35,000 reviews of up to 1,024 tokens on a GPU.
 
-    .venv/bin/python bench/reproduce_accumulation.py                      # 30-60 min on 2 cores
-    .venv/bin/python bench/reproduce_accumulation.py --train 256 --test 200   # a quick look (~8 min)
+micro-batch 1 x 16 and 16 x 1 take the same reviews in each optimizer step and normalise the loss over
+the same effective batch, so their gradients agree up to float rounding and dropout masks (MiniLM trains
+with dropout 0.1, and the masks are drawn per micro-batch): their accuracies differ by noise only.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/reproduce_accumulation.py    # ~25 min on 2 cores, up to 1 h shared
+    .venv/bin/python bench/reproduce_accumulation.py --train 256 --test 200   # a quick look (~5 min)
+    .venv/bin/python bench/reproduce_accumulation.py --train 4096 --max-length 512 --variants 16x1
+        # one configuration with more data and longer reviews: how far the model goes (~30 min)
 """
 
 from __future__ import annotations
@@ -79,13 +86,13 @@ def table(rows: list[dict], args: argparse.Namespace, lr: float) -> str:
         f"test accuracy on {args.test} held-out real reviews.",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU; torch threads "
         f"{__import__('torch').get_num_threads()}. Command: `.venv/bin/python bench/reproduce_accumulation.py "
-        f"--train {args.train} --test {args.test} --max-length {args.max_length}`",
+        f"--train {args.train} --test {args.test} --max-length {args.max_length} --variants {args.variants}`",
         "",
         "| configuration | optimizer steps | test accuracy | macro-F1 | train time | real tokens/s | "
         "article (BLOOM-560m, 35k reviews) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for (label, *_rest, article), r in zip(VARIANTS, rows, strict=False):
+    for (label, *_rest, article), r in rows:
         lines.append(f"| {label} | {r['steps']} | {100 * r['accuracy']:.1f}% | {r['macro_f1']:.3f} | "
                      f"{r['train_s']:.0f} s | {r['tokens_per_s']:.0f} | {article} |")
     return "\n".join(lines)
@@ -97,6 +104,8 @@ def main() -> int:
     p.add_argument("--train", type=int, default=1024, help="train reviews (1 epoch)")
     p.add_argument("--test", type=int, default=1000, help="held-out test reviews")
     p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--variants", default="1x1,1x16,16x1",
+                   help="comma-separated MICROxACCUM configurations (default: the article's three)")
     p.add_argument("--set", dest="extra", action="append", default=[], help="more pipeline overrides")
     args = p.parse_args()
 
@@ -106,14 +115,25 @@ def main() -> int:
     common = [f"data.subset={{train: {args.train}, validation: 64, test: {args.test}}}",
               f"tokenize.max_length={args.max_length}", "evaluate.splits=[test]", *args.extra]
     lr = load_pipeline(args.pipeline, common).train.lr
+    known = {f"{m}x{a}": v for v in VARIANTS for m, a in [v[1:3]]}
+    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in wanted:
+        if v not in known:
+            micro, _, accum = v.partition("x")
+            if not (micro.isdigit() and accum.isdigit()):
+                p.error(f"--variants {v}: write MICROxACCUM, e.g. 16x1")
+            known[v] = (f"micro-batch {micro} x accumulation {accum}", int(micro), int(accum), "-")
     rows = []
-    for label, micro, accum, _ in VARIANTS:
+    tag = "" if args.variants == "1x1,1x16,16x1" and args.train == 1024 else \
+        f".{args.train}x{args.max_length}.{args.variants.replace(',', '_')}"
+    for v in wanted:
+        label, micro, accum, _ = known[v]
         print(f"== {label}", flush=True)
-        rows.append(run_variant(args.pipeline, common, micro, accum, store))
-        print(json.dumps(rows[-1]), flush=True)
-        (OUT / "reproduce_accumulation.json").write_text(json.dumps(rows, indent=2))
+        rows.append((known[v], run_variant(args.pipeline, common, micro, accum, store)))
+        print(json.dumps(rows[-1][1]), flush=True)
+        (OUT / f"reproduce_accumulation{tag}.json").write_text(json.dumps([r for _, r in rows], indent=2))
     text = table(rows, args, lr)
-    (OUT / "reproduce_accumulation.md").write_text(text + "\n")
+    (OUT / f"reproduce_accumulation{tag}.md").write_text(text + "\n")
     print("\n" + text)
     return 0
 
