@@ -1,4 +1,4 @@
-# make demo  - create .venv, install, run the offline demo pipeline (real IMDB + SmolLM2-135M)
+# make demo  - create .venv, install, run the offline demo pipeline (real IMDB + all-MiniLM-L6-v2 + LoRA)
 # make test  - create .venv, install, run the test suite
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
