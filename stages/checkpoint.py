@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from stages.store import fsync_path
+
 CKPT_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -99,14 +101,6 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Module, optimizer: Any,
                     scheduler: Any, scaler: Any, keep: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
@@ -120,13 +114,13 @@ def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Modu
                tmp / "state.pt")
     (tmp / "progress.json").write_text(json.dumps(asdict(progress), indent=1))
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        fsync_path(f)
+    fsync_path(tmp)
     final = root / f"step-{progress.step:06d}"
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     for _, old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -73,7 +73,8 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes a rename in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -282,7 +283,7 @@ class Store:
             "metrics": metrics,
         }
         write_json_atomic(tmp / MANIFEST, manifest)
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         return manifest
 
     def _commit(self, tmp: Path, final: Path) -> None:
@@ -292,7 +293,7 @@ class Store:
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_path(final.parent)
 
 
 def open_store(root: str | Path | None = None) -> Store:

@@ -19,16 +19,6 @@ IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
 BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store for this module's pipeline runs (test_export.py shares it: its upstream stages are hits)."""
-    root = tmp_path_factory.getbasetemp() / "issue5-store"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FINETUNE_STORE", str(root))
-    yield root
-    mp.undo()
-
-
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

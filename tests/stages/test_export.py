@@ -30,16 +30,6 @@ T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The store test_evaluate.py fills (same session): upstream stages are hits when it ran first."""
-    root = tmp_path_factory.getbasetemp() / "issue5-store"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FINETUNE_STORE", str(root))
-    yield root
-    mp.undo()
-
-
 def evaluated_and_batch(out: dict, task: str):
     import datasets
 
