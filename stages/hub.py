@@ -3,6 +3,7 @@ local folders, and files shipped inside installed Python packages (`pkg:PACKAGE/
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -19,10 +20,27 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def ensure_hub_reachable(what: str, fix: str) -> None:
-    """Raise within about a second if the hub cannot be reached (or HF_HUB_OFFLINE is set)."""
+def in_hf_cache(repo_id: str, revision: str | None = None) -> bool:
+    """Whether the Hugging Face cache already holds this repo (its config or tokenizer config)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        with contextlib.suppress(Exception):
+            if isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
+                return True
+    return False
+
+
+def ensure_hub_reachable(what: str, fix: str, repo_id: str | None = None, revision: str | None = None) -> None:
+    """Raise within about a second if the hub cannot be reached (or HF_HUB_OFFLINE is set) and the repo
+    is not usable from the local Hugging Face cache."""
+    cached = repo_id is not None and in_hf_cache(repo_id, revision)
     if hub_offline():
+        if cached:
+            return  # transformers serves it from the cache in offline mode
         raise HubUnreachableError(f"{what}: the hub is off (HF_HUB_OFFLINE is set); {fix}")
+    if cached:
+        fix = "a copy is in the Hugging Face cache: set HF_HUB_OFFLINE=1 to use it"
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
     result: list[BaseException | None] = []

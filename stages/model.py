@@ -82,7 +82,7 @@ def hf_config(m: Any) -> Any:
     else:
         source, kwargs, local = split_gguf(m.name, m.gguf_file)
         if local is None:
-            ensure_hub_reachable(f"model {m.name}", HUB_FIX)
+            ensure_hub_reachable(f"model {m.name}", HUB_FIX, m.name, m.revision)
         if "gguf_file" in kwargs and local is not None and local.is_file():
             st = local.stat()  # parsing a GGUF header takes seconds: once per file version and process
             config = copy.deepcopy(_gguf_config(str(local), st.st_size, st.st_mtime_ns))
