@@ -24,7 +24,15 @@ from prefect.states import Completed, Failed, State
 from stages.cli import describe
 from stages.config import DEFAULT_PIPELINE_FILE, PipelineConfig, load_pipeline
 from stages.errors import FinetuneError
-from stages.pipeline import Planned, check_stage_names, plan, run_stage, stage_names, upstream_for_only
+from stages.pipeline import (
+    Planned,
+    check_stage_names,
+    plan,
+    run_stage,
+    stage_names,
+    to_run,
+    upstream_for_only,
+)
 from stages.store import Outcome, Store, open_store
 
 
@@ -187,10 +195,8 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     items = plan(cfg)
     done = upstream_for_only(items, only, store, verify) if only else {}
     summary = []
-    for item in items:
+    for item in to_run(items, only, until):
         name = item.stage.name
-        if only and name != only:
-            continue
         state = STAGE_TASKS[name](cfg, item, store, done, name in force, verify, return_state=True)
         if state.is_failed():
             return Failed(message=f"stage {name}: {state.message}")
@@ -200,8 +206,6 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
         summary.append({"stage": name, "key": outcome.key, "path": str(outcome.path),
                         "computed": outcome.computed, "state": state.name,
                         "duration_s": outcome.manifest.get("duration_s")})
-        if name == until:
-            break
     return summary
 
 

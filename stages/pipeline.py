@@ -170,18 +170,22 @@ def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, 
     items = plan(cfg)
     done = upstream_for_only(items, only, store, verify) if only else {}
     results = []
-    for item in items:
+    for item in to_run(items, only, until):
         name = item.stage.name
-        if only and name != only:
-            continue
         outcome = run_stage(cfg, item, store, done, force=name in force, verify=verify)
         done[name] = outcome
         results.append(outcome)
         if on_outcome:
             on_outcome(outcome)
-        if name == until:
-            break
     return results
+
+
+def to_run(items: list[Planned], only: str | None, until: str | None) -> list[Planned]:
+    """The stages a run executes: just `only`, or everything up to and including `until`."""
+    if only:
+        return [i for i in items if i.stage.name == only]
+    names = [i.stage.name for i in items]
+    return items[: names.index(until) + 1] if until in names else items
 
 
 def _ancestors(items: list[Planned], name: str) -> set[str]:
