@@ -17,22 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
 from stages.cli import describe
 from stages.config import DEFAULT_PIPELINE_FILE, PipelineConfig, load_pipeline
 from stages.errors import FinetuneError
-from stages.pipeline import (
-    Planned,
-    check_stage_names,
-    plan,
-    run_stage,
-    stage_names,
-    to_run,
-    upstream_for_only,
-)
+from stages.pipeline import Planned, run_pipeline, run_stage, stage_names
 from stages.store import Outcome, Store, open_store
 
 
@@ -46,12 +38,10 @@ def publish(pipeline: str, o: Outcome) -> None:
     """A table artifact of the stage's manifest under the stable key `<pipeline>-<stage>`; train adds its
     loss curve (`-train-loss`), evaluate its metrics (`-evaluate-metrics`), export what it wrote
     (`-export-files`). An artifact that cannot be built is a warning, never a failed stage."""
-    from prefect.artifacts import create_markdown_artifact
-
     status = "computed" if o.computed else "cached"
-    create_table_artifact(table=manifest_rows(o), key=artifact_key(pipeline, o.stage),
-                          description=f"{pipeline} / {o.stage}: {status}")
     try:
+        create_table_artifact(table=manifest_rows(o), key=artifact_key(pipeline, o.stage),
+                              description=f"{pipeline} / {o.stage}: {status}")
         if o.stage == "train" and (md := train_loss_markdown(o)):
             create_markdown_artifact(markdown=md, key=artifact_key(pipeline, "train-loss"),
                                      description=f"{pipeline} / train: loss curve ({status})")
@@ -183,30 +173,36 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
 STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in stage_names()}
 
 
+class _StageFailed(Exception):
+    """A stage's task ended Failed: stops run_pipeline; the flow returns its message as a Failed state."""
+
+
 @flow(name="finetune", log_prints=True)
 def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None, only: str | None = None,
              force: list[str] | None = None, verify: bool = False, until: str | None = None,
-             config: str | None = None) -> list[dict[str, Any]]:
+             config: str | None = None) -> list[dict[str, Any]] | State:
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
-    force = force or []
-    check_stage_names(force, "force")
-    store = open_store()
-    items = plan(cfg)
-    done = upstream_for_only(items, only, store, verify) if only else {}
-    summary = []
-    for item in to_run(items, only, until):
+    states: dict[str, State] = {}
+
+    def run_task(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], *, force: bool,
+                 verify: bool) -> Outcome:
         name = item.stage.name
-        state = STAGE_TASKS[name](cfg, item, store, done, name in force, verify, return_state=True)
+        state = STAGE_TASKS[name](cfg, item, store, done, force, verify, return_state=True)
+        states[name] = state
         if state.is_failed():
-            return Failed(message=f"stage {name}: {state.message}")
-        outcome: Outcome = state.result()
-        done[name] = outcome
-        print(describe(outcome))
-        summary.append({"stage": name, "key": outcome.key, "path": str(outcome.path),
-                        "computed": outcome.computed, "state": state.name,
-                        "duration_s": outcome.manifest.get("duration_s")})
-    return summary
+            raise _StageFailed(f"stage {name}: {state.message}")
+        return state.result()
+
+    try:
+        outcomes = run_pipeline(cfg, open_store(), only=only, until=until, force=force or [], verify=verify,
+                                run=run_task, on_outcome=lambda o: print(describe(o)))
+    except _StageFailed as e:
+        return Failed(message=str(e))
+    except FinetuneError as e:  # an unknown stage name, --only without its upstream: one line, as a stage's
+        return Failed(message=f"{type(e).__name__}: {e}", data=e)
+    return [{"stage": o.stage, "key": o.key, "path": str(o.path), "computed": o.computed,
+             "state": states[o.stage].name, "duration_s": o.manifest.get("duration_s")} for o in outcomes]
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ the artifacts are.
         run the pipeline through the plain runner (every stage a store hit, logged as `cached`) and print
         the summary, exit 0; otherwise exit 3 and write nothing, so the caller runs the Prefect flow.
 
-Why --if-cached: the Prefect flow starts a temporary Prefect server on every run (10-25 s on 2 CPU
-cores), which alone would make a fully cached `make demo` take most of half a minute. A cached run
+Why --if-cached: the Prefect flow starts a temporary Prefect server on every run (~10 s with an
+existing PREFECT_HOME, 24-30 s on a fresh one, on 2 CPU cores: the README's demo table), which alone would
+make a fully cached `make demo` take 4-10x longer. A cached run
 changes nothing, so it does not need the orchestrator; a run with anything to compute goes through
 the flow as usual.
 
@@ -24,14 +25,14 @@ from typing import Any
 from stages.cli import guarded, load_args, parser
 from stages.config import PipelineConfig, store_root
 from stages.pipeline import plan, run_pipeline
-from stages.store import Store, open_store
+from stages.store import Outcome, Store, open_store
 
 NOT_CACHED = 3
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
@@ -54,6 +55,13 @@ def stage_rows(cfg: PipelineConfig, store: Store) -> list[dict[str, Any]]:
                      "status": ev.get("event", "cached") if present else "missing",
                      "event_time": ev.get("time"), "duration_s": (manifest or {}).get("duration_s")})
     return rows
+
+
+def outcome_row(o: Outcome) -> dict[str, Any]:
+    """A stage_rows row for an outcome of this run."""
+    return {"stage": o.stage, "key": o.key, "path": o.path, "present": True, "manifest": o.manifest,
+            "status": "computed" if o.computed else "cached", "event_time": None,
+            "duration_s": o.manifest.get("duration_s")}
 
 
 def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None = None) -> str:
@@ -127,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return NOT_CACHED
             print(f"{cfg.name}: every stage is in the store; reusing them without starting Prefect", flush=True)
-            run_pipeline(cfg, store, verify=args.verify)  # all store hits (logged), nothing computed
-            rows = stage_rows(cfg, store)
+            # all store hits (logged), nothing computed: the rows are this run's outcomes
+            rows = [outcome_row(o) for o in run_pipeline(cfg, store, verify=args.verify)]
         print(render(cfg, rows, time.perf_counter() - t0))
         return 0
 

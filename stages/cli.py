@@ -10,7 +10,7 @@ from pathlib import Path
 
 from stages.config import DEFAULT_PIPELINE_FILE, PipelineConfig, load_pipeline, store_root
 from stages.errors import FinetuneError
-from stages.pipeline import check_stage_names
+from stages.pipeline import check_run_options
 from stages.store import Outcome
 
 
@@ -33,11 +33,7 @@ def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentP
 
 def load_args(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_pipeline(args.pipeline, args.overrides, args.config)
-    check_stage_names(args.force, "--force")
-    if args.only:
-        check_stage_names([args.only], "--only")
-    if args.until:
-        check_stage_names([args.until], "--until")
+    check_run_options(args.force, args.only, args.until)
     return cfg
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,7 +64,6 @@ class Estimate:
     trainable_params: int = 0
     quantized_params: int = 0
     fp32_kept_params: int = 0
-    notes: list[str] = field(default_factory=list)
 
     @property
     def footprint(self) -> int:
@@ -80,11 +79,6 @@ class Estimate:
     def total(self) -> int:
         return (self.weights + self.quant_constants + self.adapters + self.gradients + self.optimizer
                 + self.activations)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(footprint=self.footprint, training_footprint=self.training_footprint, total=self.total)
-        return d
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -230,8 +224,11 @@ def estimate_pipeline(cfg: Any) -> Estimate:
     return est
 
 
-def check_pipeline_fits(cfg: Any) -> Estimate:
-    """Estimate a pipeline's training memory and stop (ConfigError naming the knobs) if it cannot fit."""
+def check_pipeline_fits(cfg: Any) -> Estimate | None:
+    """Estimate a pipeline's training memory and stop (ConfigError naming the knobs) if it cannot fit.
+    Nothing is estimated with model.memory_check=false (None)."""
+    if not cfg.model.memory_check:
+        return None
     est = estimate_pipeline(cfg)
     check_fits(est.total, f"pipeline {cfg.name}")
     return est

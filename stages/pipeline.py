@@ -1,5 +1,5 @@
 """Runs a named pipeline's stages through the store, without Prefect. The Prefect flow calls the same
-`plan` and `run_stage`, one task per stage."""
+`run_pipeline`, running each stage's `run_stage` in a task."""
 
 from __future__ import annotations
 
@@ -111,6 +111,15 @@ def check_stage_names(names: Iterable[str], option: str) -> None:
             raise ConfigError(f"{option} {n}: unknown stage; stages are {', '.join(valid)}")
 
 
+def check_run_options(force: Iterable[str] = (), only: str | None = None, until: str | None = None) -> None:
+    """Refuse an unknown stage name in --force / --only / --until (ConfigError, one line)."""
+    check_stage_names(force, "--force")
+    if only:
+        check_stage_names([only], "--only")
+    if until:
+        check_stage_names([until], "--until")
+
+
 def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], *,
               force: bool = False, verify: bool = False) -> Outcome:
     """Run (or reuse) one stage. `done` holds the outcomes of its upstream stages."""
@@ -136,23 +145,24 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
     return outcome
 
 
-def cached_outcome(store: Store, item: Planned, verify: bool = False) -> Outcome | None:
-    """The stage's committed artifact, if valid (used for upstream of --only)."""
+def cached_outcome(store: Store, item: Planned, done: dict[str, Outcome], verify: bool = False) -> Outcome | None:
+    """The stage's committed artifact if the store has a valid one made from these upstream outcomes
+    (`done`), else None. Through `Store.cached`, so a remote store downloads it into its local cache."""
     sk = item.key
-    if store.problems(sk.stage, sk.key, verify=verify):
+    manifest, _ = store.cached(sk, {u: done[u].manifest["digest"] for u in item.stage.upstream}, verify)
+    if manifest is None:
         return None
-    manifest = store.read_manifest(sk.stage, sk.key)
-    assert manifest is not None
     return Outcome(sk.stage, sk.key, store.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
 
 
 def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False) -> dict[str, Outcome]:
     """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store."""
-    done = {}
-    for item in items:
+    done: dict[str, Outcome] = {}
+    ancestors = _ancestors(items, only)
+    for item in items:  # in pipeline order: a stage's upstream is in `done` before the stage
         name = item.stage.name
-        if name in _ancestors(items, only):
-            hit = cached_outcome(store, item, verify)
+        if name in ancestors:
+            hit = cached_outcome(store, item, done, verify)
             if hit is None:
                 raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
                                         f"config; run the whole pipeline first")
@@ -160,19 +170,22 @@ def upstream_for_only(items: list[Planned], only: str, store: Store, verify: boo
     return done
 
 
+RunStage = Callable[..., Outcome]  # run_stage's signature: (cfg, item, store, done, *, force, verify)
+
+
 def run_pipeline(cfg: PipelineConfig, store: Store, *, only: str | None = None, until: str | None = None,
-                 force: Iterable[str] = (),
-                 verify: bool = False, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+                 force: Iterable[str] = (), verify: bool = False,
+                 on_outcome: Callable[[Outcome], None] | None = None, run: RunStage = run_stage) -> list[Outcome]:
+    """Run the stages `only` / `until` select, each through `run` (default run_stage; the Prefect flow
+    passes one that runs the stage's task). Unknown stage names are a ConfigError before anything runs."""
     force = set(force)
-    check_stage_names(force, "--force")
-    if only:
-        check_stage_names([only], "--only")
+    check_run_options(force, only, until)
     items = plan(cfg)
     done = upstream_for_only(items, only, store, verify) if only else {}
     results = []
     for item in to_run(items, only, until):
         name = item.stage.name
-        outcome = run_stage(cfg, item, store, done, force=name in force, verify=verify)
+        outcome = run(cfg, item, store, done, force=name in force, verify=verify)
         done[name] = outcome
         results.append(outcome)
         if on_outcome:

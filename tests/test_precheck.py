@@ -28,3 +28,8 @@ def test_training_that_cannot_fit_stops_before_loading(store_dir, monkeypatch):
     assert "model" in computed(run("tiny-imdb", *SMALL, until="model"))
     monkeypatch.setattr(psutil, "virtual_memory", tiny)
     assert computed(run("tiny-imdb", *SMALL, until="model")) == set()
+
+
+def test_memory_check_false_skips_the_estimate(store_dir, monkeypatch):
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 20))  # 1 MiB free
+    assert "model" in computed(run("tiny-imdb", *SMALL, "model.memory_check=false", until="model"))

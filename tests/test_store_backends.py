@@ -51,6 +51,17 @@ def test_deleted_artifact_reruns_alone_and_forced_recompute_replaces(store):
     assert store.verify_all(full=True) == {}
 
 
+def test_only_on_a_fresh_cache_downloads_upstream(store, tmp_path, monkeypatch):
+    first = runs()
+    # another machine (empty local cache): --only tokenize --force tokenize reads data from the store
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "fresh-cache"))
+    forced = runs(only="tokenize", force=["tokenize"])
+    assert list(forced) == ["tokenize"] and computed(forced) == {"tokenize"}
+    assert forced["tokenize"].key == first["tokenize"].key
+    assert forced["tokenize"].manifest["digest"] == first["tokenize"].manifest["digest"]
+    assert forced["tokenize"].manifest["upstream"]["data"]["digest"] == first["data"].manifest["digest"]
+
+
 def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
     url = f"memory://store-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("FINETUNE_STORE", url)

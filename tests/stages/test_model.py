@@ -127,8 +127,9 @@ def test_memory_check_stops_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(model_stage.memory, "free_memory", lambda: (100_000, "test device"))
     monkeypatch.setattr(model_stage, "bnb_config", lambda *a: pytest.fail("loading started"))
     with pytest.raises(ConfigError) as e:
-        run_model(tiny_cfg("llama"), tmp_path)
+        run_model(tiny_cfg("llama"), tmp_path, force=True)  # force skips the pipeline precheck: the body's check
     msg = str(e.value)
+    assert msg.startswith("model tiny-llama (none): estimated")
     assert "test device" in msg and "before loading" in msg
     assert all(k in msg for k in ("quantization.mode=4bit", "micro_batch_size", "gradient_checkpointing"))
 
