@@ -78,8 +78,10 @@ def run(ctx: Any) -> dict[str, Any]:
         if quantized:
             raise ConfigError(f"adapters.method full: the model is quantized ({info['quantization']}) and "
                               f"quantized weights cannot be trained; use adapters.method=lora or quantization.mode=none")
-        model = load_model(model_dir)
-        total = sum(p.numel() for p in model.parameters())
+        # the model stage's manifest has the count; loading the whole model only for it is a waste
+        total = ctx.upstream_manifests.get("model", {}).get("metrics", {}).get("parameters")
+        if total is None:  # an artifact from before the model stage recorded it
+            total = sum(p.numel() for p in load_model(model_dir).parameters())
         facts = {"method": "full", "trainable": total, "total": total, "percent": 100.0}
         (ctx.out_dir / INFO).write_text(json.dumps(facts, indent=2))
         return facts
@@ -108,7 +110,8 @@ def run(ctx: Any) -> dict[str, Any]:
 def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> nn.Module:
     """The model ready to train: the `model` artifact (load_model), prepare_model_for_kbit_training when
     quantized, then the initial LoRA adapter loaded trainable (modules_to_save included), or for `full`
-    every parameter requiring grad."""
+    every parameter requiring grad. `gradient_checkpointing` only reaches prepare_model_for_kbit_training
+    (PEFT enables it there for k-bit models); otherwise train.enable_gradient_checkpointing owns it."""
     adapters_dir = Path(adapters_dir)
     try:
         method = json.loads((adapters_dir / INFO).read_text())["method"]
@@ -120,14 +123,9 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
     if method == "full":
         for p in model.parameters():
             p.requires_grad_(True)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable()
         return model
     from peft import PeftModel, prepare_model_for_kbit_training
 
     if info["quantization"] != "none":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
     return PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)

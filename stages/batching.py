@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from stages.tokenize import IGNORE_INDEX  # the label the tokenize stage writes for positions without loss
+
 MEGA_CHUNK = 50  # effective batches per sorted chunk (HF's megabatch_mult)
 
 

@@ -41,6 +41,7 @@ class TrainingProgress:
     real_tokens: int = 0
     padded_tokens: int = 0
     train_seconds: float = 0.0
+    first_loss: float | None = None  # the run's first step loss (absent from older checkpoints: None)
     history: list[dict[str, Any]] = field(default_factory=list)  # per-epoch validation results
 
 

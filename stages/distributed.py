@@ -34,6 +34,7 @@ from typing import Any
 from stages import errors
 from stages.config import PROJECT_ROOT
 from stages.errors import FinetuneError
+from stages.store import write_json_atomic
 
 TAIL_LINES = 25
 
@@ -166,12 +167,6 @@ def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
 
 # ---------------------------------------------------------------- inside each launched process
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # rank 0 tells the story; the others speak up only for warnings
@@ -183,17 +178,17 @@ def main(argv: list[str]) -> int:
     try:
         result = getattr(importlib.import_module(module), name)(spec["args"])
     except FinetuneError as err:
-        _write_json(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
+        write_json_atomic(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
                                                           "rank": rank, "world": world, "time": time.time()})
         logging.getLogger("finetune.distributed").error("%s", err)
         return err.exit_code
     except Exception as err:
         traceback.print_exc(file=sys.stdout)
-        _write_json(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
+        write_json_atomic(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
                                                           "rank": rank, "world": world, "time": time.time()})
         return 1
     if rank == 0:
-        _write_json(run_dir / "result.json", result)
+        write_json_atomic(run_dir / "result.json", result)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

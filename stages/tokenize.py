@@ -26,28 +26,45 @@ def special_affixes(tok: Any) -> tuple[list[int], list[int]]:
     return full[:start], full[start + len(bare):]
 
 
-def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, desc: str) -> tuple[list, list]:
-    """(ids truncated to max_length keeping the closing specials, untruncated lengths)."""
+def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:
+    """Token ids without special tokens, untruncated, tokenized batch_size texts at a time."""
+    out: list[list[int]] = []
+    for i in tqdm(range(0, len(texts), batch_size), desc=desc, unit="batch", leave=False):
+        out.extend(tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"])
+    return out
+
+
+def with_specials(tok: Any, seqs: list[list[int]], max_length: int | None) -> tuple[list, list]:
+    """Bare ids -> (ids with the special tokens, truncated to max_length keeping the closing specials,
+    untruncated lengths)."""
     head, tail = special_affixes(tok)
     ids, lengths = [], []
-    for i in tqdm(range(0, len(texts), batch_size), desc=desc, unit="batch", leave=False):
-        for seq in tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"]:
-            full = len(head) + len(seq) + len(tail)
-            lengths.append(full)
-            if max_length is not None and full > max_length:
-                seq = seq[: max(max_length - len(head) - len(tail), 0)]
-            ids.append(head + seq + tail)
+    for seq in seqs:
+        full = len(head) + len(seq) + len(tail)
+        lengths.append(full)
+        if max_length is not None and full > max_length:
+            seq = seq[: max(max_length - len(head) - len(tail), 0)]
+        ids.append(head + seq + tail)
     return ids, lengths
 
 
-def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str], t: Any) -> tuple[list, list]:
+def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, desc: str) -> tuple[list, list]:
+    """(ids truncated to max_length keeping the closing specials, untruncated lengths)."""
+    return with_specials(tok, bare_ids(tok, texts, batch_size, desc), max_length)
+
+
+def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str] | list[list[int]],
+                       t: Any) -> tuple[list, list]:
     """Causal LM rows: prompt + target + EOS, loss on the target only. The target (cut to
-    max_target_length) always fits: the prompt's head is what gets cut to make room."""
+    max_target_length) always fits: the prompt's head is what gets cut to make room. `targets` are
+    texts, or their bare ids (bare_ids: no special tokens) when the caller already has them."""
     _, tail = special_affixes(tok)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     limit = (t.max_target_length or t.max_length) - len(eos)
+    if targets and isinstance(targets[0], str):
+        targets = tok(targets, add_special_tokens=False)["input_ids"]
     ids, labels = [], []
-    for p, y in zip(prompts, tok(targets, add_special_tokens=False)["input_ids"], strict=True):
+    for p, y in zip(prompts, targets, strict=True):
         p = p[: len(p) - len(tail)] if tail else p
         y = y[: max(limit, 1)] + eos
         p = p[: max(t.max_length - len(y), 1)]
@@ -92,13 +109,13 @@ def run(ctx: Any) -> dict[str, Any]:
         if task == "seq_cls":
             cols["labels"] = table.column("label").to_pylist()
         elif has_target:
-            tgt_ids, tgt_len = encode(tok, table.column("target").to_pylist(), t.max_target_length,
-                                      t.batch_size, f"tokenize {name} targets")
+            bare = bare_ids(tok, table.column("target").to_pylist(), t.batch_size, f"tokenize {name} targets")
+            tgt_ids, tgt_len = with_specials(tok, bare, t.max_target_length)
             stats[name]["target"] = length_stats(tgt_len, t.max_target_length)
             if task == "seq2seq":
                 cols["labels"] = tgt_ids
-            else:
-                ids, cols["labels"] = prompt_then_target(tok, ids, table.column("target").to_pylist(), t)
+            else:  # the same bare ids, tokenized once
+                ids, cols["labels"] = prompt_then_target(tok, ids, bare, t)
         else:
             cols["labels"] = ids
         cols["input_ids"] = ids

@@ -200,17 +200,19 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, log: logging.Logger) -> None:
+    """The one place that turns gradient checkpointing on (non-reentrant: frozen inputs need no
+    enable_input_require_grads), except for k-bit models, where adapters.load_trainable's
+    prepare_model_for_kbit_training already did. Either way the KV cache goes off (useless in training)."""
     flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, flag, False):  # load_trainable already did (k-bit preparation)
-        return
-    # transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable
-    if (enable := getattr(model, "activation_checkpointing_enable", None)) is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif (enable := getattr(model, "gradient_checkpointing_enable", None)) is not None:
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        log.warning("train.gradient_checkpointing: %s does not support it; ignored", type(model).__name__)
-        return
+    if not getattr(model, flag, False):
+        # transformers 5 renamed gradient_checkpointing_enable to activation_checkpointing_enable
+        if (enable := getattr(model, "activation_checkpointing_enable", None)) is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        elif (enable := getattr(model, "gradient_checkpointing_enable", None)) is not None:
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            log.warning("train.gradient_checkpointing: %s does not support it; ignored", type(model).__name__)
+            return
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
 
@@ -398,7 +400,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     model.train()
     model, optimizer = accelerator.prepare(model, optimizer)
     scaler = accelerator.scaler  # None unless fp16
-    core = model if world == 1 else accelerator.unwrap_model(model)  # DDP's module: checkpoints, validation
+    core = accelerator.unwrap_model(model)  # DDP's module (the model itself in one process): checkpoints, validation
 
     progress = TrainingProgress(micro_batch_size=tcfg.micro_batch_size)
     ckpt_dir = work_dir / "checkpoints"
@@ -433,7 +435,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
 
     # ---------------------------------------------------------------- loop
     bar = tqdm(total=total_steps, initial=progress.step, desc="train", unit="step", disable=None if is_main else True)
-    first_loss = last_loss = None
+    last_loss = None
     while progress.step < total_steps:
         epoch_plan = epoch_batches(rows.lengths, effective, tcfg.seed, progress.epoch, tcfg.group_by_length)
         while progress.batches_done < len(epoch_plan) and progress.step < total_steps:
@@ -478,7 +480,8 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
             progress.real_tokens += real
             progress.padded_tokens += padded
             progress.train_seconds += elapsed
-            first_loss = loss if first_loss is None else first_loss
+            if progress.first_loss is None:  # kept in the checkpoint: a resumed run reports the run's first loss
+                progress.first_loss = loss
             last_loss = loss
             lr = scheduler.get_last_lr()[0]
             tok_s = progress.real_tokens / max(progress.train_seconds, 1e-9)
@@ -507,7 +510,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
             if epoch_end:
                 break  # the next epoch has its own order
     bar.close()
-    if progress.batches_done and (not progress.history or progress.history[-1]["step"] != progress.step):
+    if progress.batches_done:  # stopped mid-epoch (epoch ends validated in the loop and reset batches_done)
         validate()  # a fractional last epoch still gets a validation
 
     # ---------------------------------------------------------------- cleanup
@@ -533,7 +536,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
         "padding_share": round(1 - progress.real_tokens / computed, 4),
         "tokens_per_s": round(progress.real_tokens / max(progress.train_seconds, 1e-9), 1),
         "train_seconds": round(progress.train_seconds, 3),
-        "first_loss": first_loss,
+        "first_loss": progress.first_loss,
         "final_loss": last_loss,
         "validation": progress.history,
         "resumed_from_step": resumed_from,
@@ -573,7 +576,7 @@ def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, 
                                     gradient_checkpointing=tcfg.gradient_checkpointing)
     metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
                           pad_id, out_dir, work_dir, log)
-    if metrics["num_processes"] == 1 or distributed_rank() == 0:  # only rank 0 writes the artifact
+    if distributed_rank() == 0:  # only rank 0 writes the artifact (0 without a process group)
         save_trained(model, out_dir / "trained", upstream["model"])
     return metrics
 

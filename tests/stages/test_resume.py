@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.checkpoint import checkpoints, latest_checkpoint
+from stages.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
@@ -93,6 +94,7 @@ def test_kill_9_at_a_random_step_then_rerun_resumes_and_matches(trial, reference
     assert m["resumed_from_step"] == ckpt_step and 0 < ckpt_step < seen[-1]
     assert diff <= 1e-6
     assert m["validation"] == ref_metrics["validation"] and m["real_tokens"] == ref_metrics["real_tokens"]
+    assert m["first_loss"] == ref_metrics["first_loss"]  # the run's first loss, not the resumed part's
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["kind"] == "train"]
     assert steps == list(range(1, STEPS + 1))  # nothing lost or doubled across the kill
@@ -115,6 +117,12 @@ def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog):
     assert max_diff(ref, got) <= 1e-6
     state = torch.load(latest_checkpoint(tmp_path / "w1" / "checkpoints") / "state.pt", weights_only=True)
     assert {"optimizer", "scheduler", "scaler", "rng"} <= state.keys()
+
+
+def test_progress_from_an_older_checkpoint_without_first_loss_loads():
+    old = {k: v for k, v in asdict(TrainingProgress(step=5, epoch=1)).items() if k != "first_loss"}
+    progress = TrainingProgress(**json.loads(json.dumps(old)))
+    assert progress.step == 5 and progress.first_loss is None
 
 
 def test_incomplete_checkpoints_are_ignored(tmp_path):

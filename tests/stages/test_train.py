@@ -189,7 +189,8 @@ def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
         resolve_precision("fp16", cpu)
     monkeypatch.undo()
-    model = tiny_classifier()
+    model = tiny_classifier().to(torch.bfloat16)  # half-precision trainable weights: upcast_trainable must act
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     m = train_model(model, cls_rows(8), None, tcfg(micro_batch_size=4, max_steps=2, mixed_precision="bf16"),
                     "seq_cls", PAD, tmp_path / "o", tmp_path / "w", log)
     assert m["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
