@@ -6,7 +6,8 @@
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
-labels. Rows are batched in order of length (little padding); predictions are written in split order.
+labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch),
+as batching.split_micro cuts them; predictions are written in split order.
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
 prediction, reference). The `evaluate` section is its own config section, so changing it reruns only
@@ -23,21 +24,18 @@ import torch
 from tqdm.auto import tqdm
 
 from stages import metrics
-from stages.batching import IGNORE_INDEX, collate
+from stages.batching import IGNORE_INDEX, collate, split_micro
 from stages.errors import MissingInputError
 from stages.tokenize import special_affixes
 
 
-def exact_cpu_kernels(model: torch.nn.Module) -> int:
+def exact_cpu_kernels(model: torch.nn.Module) -> None:
     """bitsandbytes 4-bit layers on a CPU with AVX512-BF16 repack their weights at the first no-grad forward
     and then compute in bf16 (2-3 significant digits). Keep them on the fp32 dequantize-and-matmul path,
     the one training used: the metrics are then those of the fp32 model the export stage merges."""
-    n = 0
     for mod in model.modules():
         if getattr(mod, "support_avx512bf16_for_cpu", False):
             mod.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
 
 
 def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
@@ -56,11 +54,6 @@ def device_for(model: torch.nn.Module) -> torch.device:
         return current
     model.to("cuda")
     return torch.device("cuda")
-
-
-def length_order(lengths: list[int]) -> list[int]:
-    """Row indices, longest first (an out-of-memory error shows on the first batch), ties by index."""
-    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
 
 def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
@@ -83,9 +76,9 @@ def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any
 def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
              desc: str) -> list[int]:
     preds: list[int] = [0] * len(rows["input_ids"])
-    order = length_order([len(x) for x in rows["input_ids"]])
-    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
-        idx = order[i:i + batch_size]
+    lengths = [len(x) for x in rows["input_ids"]]
+    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
+                    leave=False):
         b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
                     "seq_cls").to(device)
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
@@ -107,12 +100,12 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
     Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
     texts: list[str] = [""] * len(prompts)
     counts: list[int] = [0] * len(prompts)
-    order = length_order([len(p) for p in prompts])
+    lengths = [len(p) for p in prompts]
     pad = tok.pad_token_id
     eos = gen.get("eos_token_id")
     stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
-    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
-        idx = order[i:i + batch_size]
+    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
+                    leave=False):
         width = max(len(prompts[j]) for j in idx)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -140,9 +133,9 @@ def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch
     from stages.train import loss_units, summed_loss
 
     total, units = 0.0, 0
-    order = length_order([len(x) for x in rows["input_ids"]])
-    for i in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", leave=False):
-        idx = order[i:i + batch_size]
+    lengths = [len(x) for x in rows["input_ids"]]
+    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
+                    leave=False):
         b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
                     "causal_lm").to(device)
         total += float(summed_loss(model, b, "causal_lm"))

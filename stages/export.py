@@ -33,17 +33,13 @@ import torch
 
 from stages.errors import ConfigError
 from stages.model import DTYPES, LOAD_INFO, load_info, load_model
+from stages.pipeline import select
 
+# the config sections the card prints; stages/registry.py declares them (with name, description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
 
 
 # ---------------------------------------------------------------- weights
-
-
-def method_of(adapters_dir: Path) -> str:
-    from stages.adapters import INFO
-
-    return json.loads((Path(adapters_dir) / INFO).read_text())["method"]
 
 
 def export_adapter(trained: Path, out: Path, base_name: str) -> None:
@@ -100,11 +96,7 @@ def save_hf(model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> None:
 
 
 def config_sections(cfg: Any) -> dict[str, Any]:
-    out = {}
-    for s in CARD_SECTIONS:
-        section = getattr(cfg, s)
-        out[s] = section.cache_dict()
-    return out
+    return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
 def overrides(name: str, sections: dict[str, Any]) -> list[str] | None:
@@ -193,7 +185,7 @@ def run(ctx: Any) -> dict[str, Any]:
     tok_dir = ctx.upstream["tokenize"] / "tokenizer"
     trained = train_dir / "trained"
     dtype = DTYPES[x.merged_dtype]
-    method = method_of(ctx.upstream["adapters"])
+    method = cfg.adapters.method
     files: dict[str, str] = {}
     facts: dict[str, Any] = {"method": method}
     if method == "lora":

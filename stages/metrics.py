@@ -35,7 +35,12 @@ def accuracy(predictions: Sequence[int], references: Sequence[int]) -> float:
 def macro_f1(predictions: Sequence[int], references: Sequence[int], num_labels: int) -> float:
     """Unweighted mean of the per-class F1 over the classes that occur in the references or predictions
     (sklearn's `f1_score(average="macro")`; a class with no true and no predicted rows is left out)."""
-    m = confusion_matrix(predictions, references, num_labels)
+    return _macro_f1_of(confusion_matrix(predictions, references, num_labels))
+
+
+def _macro_f1_of(m: list[list[int]]) -> float:
+    """macro_f1 from a confusion matrix [true][predicted]."""
+    num_labels = len(m)
     scores = []
     for c in range(num_labels):
         tp = m[c][c]
@@ -48,11 +53,12 @@ def macro_f1(predictions: Sequence[int], references: Sequence[int], num_labels: 
 
 
 def classification_metrics(predictions: Sequence[int], references: Sequence[int], num_labels: int) -> dict:
+    m = confusion_matrix(predictions, references, num_labels)
     return {
         "examples": len(references),
         "accuracy": accuracy(predictions, references),
-        "macro_f1": macro_f1(predictions, references, num_labels),
-        "confusion_matrix": confusion_matrix(predictions, references, num_labels),
+        "macro_f1": _macro_f1_of(m),
+        "confusion_matrix": m,
     }
 
 

@@ -10,8 +10,11 @@ import pytest
 # Never touch the network from tests: the hub fails at once instead of retrying for a minute.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ.setdefault("FINETUNE_DATA_MIRROR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from helpers import SHARED_DATA  # noqa: E402  (after the offline settings: helpers imports the stages)
+
+os.environ.setdefault("FINETUNE_DATA_MIRROR", str(SHARED_DATA))
 
 
 @pytest.fixture

@@ -19,6 +19,12 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "imdb" / "train.csv.gz").exists(),
                                        reason="../shared/data (real IMDB/billsum) is not beside the project")
 
+# The --set lists of tests/stages/test_evaluate.py and test_export.py: one definition, so the stages they
+# share are store hits in the `store` fixture (tests/stages/conftest.py) whichever file runs first.
+IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
+        "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
+BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
+
 
 def run(pipeline: str, *sets: str, **kw) -> dict[str, Outcome]:
     cfg = load_pipeline(pipeline, list(sets))

@@ -21,12 +21,11 @@ ALL = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
 def full_run(tmp_path_factory):
     """A fresh store with one full tiny-billsum run in it."""
     root = tmp_path_factory.mktemp("rerun-evaluate") / "store"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FINETUNE_STORE", str(root))
-    out = helpers.run("tiny-billsum", *BASE)
-    assert list(out) == ALL and computed(out) == set(ALL)
-    yield root, out
-    mp.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FINETUNE_STORE", str(root))
+        out = helpers.run("tiny-billsum", *BASE)
+        assert list(out) == ALL and computed(out) == set(ALL)
+        yield root, out
 
 
 def new_events(store: Store, since: int) -> list[dict]:

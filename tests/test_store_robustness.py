@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from helpers import ROOT, needs_shared_data, spawn
+from helpers import ROOT, SHARED_DATA, needs_shared_data, spawn
 
 from stages.store import Store
 
@@ -94,7 +94,7 @@ def test_editing_a_helper_reruns_the_stage_that_calls_it(tmp_path):
 
     def run_copy() -> list[dict]:
         before = len(Store(store_root).events())
-        proc = spawn(small, store_root, cwd=proj, FINETUNE_DATA_MIRROR=str(ROOT.parent / "shared" / "data"))
+        proc = spawn(small, store_root, cwd=proj, FINETUNE_DATA_MIRROR=str(SHARED_DATA))
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out
         assert f"{proj}" in out  # the copy ran, not the installed project

@@ -8,15 +8,12 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import SHARED_DATA, needs_shared_data
+from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
 
 from stages import metrics
 from stages.data import read_split
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
-IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
-        "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
-BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -115,6 +112,11 @@ def test_seq2seq_pipeline_runs_end_to_end_with_rouge_on_the_real_references(stor
     assert m["examples"] == len(rows) == 20
     again = metrics.rouge([r["prediction"] for r in rows], [r["reference"] for r in rows])
     assert all(abs(m[k] - again[k]) <= 1e-12 for k in metrics.ROUGE_TYPES)
+    from rouge_score import rouge_scorer  # and independently of stages.metrics
+
+    scorer = rouge_scorer.RougeScorer(list(metrics.ROUGE_TYPES), use_stemmer=True)
+    scores = [scorer.score(r["reference"], r["prediction"]) for r in rows]
+    assert all(abs(m[k] - sum(s[k].fmeasure for s in scores) / len(rows)) <= 1e-9 for k in metrics.ROUGE_TYPES)
     assert 1 <= m["generated_tokens_max"] <= 8
     assert all(r["prediction"] for r in rows)
     gen = out["evaluate"].manifest["metrics"]["generation"]

@@ -9,7 +9,7 @@ import shlex
 import helpers
 import pytest
 import torch
-from helpers import needs_shared_data
+from helpers import BILLSUM, IMDB, needs_shared_data
 
 from stages.batching import collate
 from stages.config import load_pipeline
@@ -19,9 +19,6 @@ from stages.pipeline import plan
 
 pytestmark = needs_shared_data
 
-IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
-        "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
-BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
 IMDB_LORA = ("adapters.method=lora", "adapters.target_modules=[query_key_value, dense]",
              "adapters.modules_to_save=[score]")
 # bitsandbytes' CPU 4-bit kernels need layers at least 64 wide
