@@ -1,7 +1,7 @@
 """Reproduce the QLoRA article's memory table on t5-3b, built from its config with random weights
 (no download): base fp32 vs NF4 vs QLoRA footprint, total and trainable parameters, reduction
 factor, plus a row that also quantizes the `wo` layers T5 keeps in fp32. Each row shows the estimate
-that stages.memory makes from the config alone beside the measured `get_memory_footprint()`.
+that stages.common.memory makes from the config alone beside the measured `get_memory_footprint()`.
 
     .venv/bin/python bench/memory_table.py            # ~17.5 GB of RAM at its peak (measured); check `free -g` first
 
@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stages import memory  # noqa: E402
 from stages import model as model_stage  # noqa: E402
-from stages.config import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
+from stages.common import memory, models  # noqa: E402
+from stages.engine.schema import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
 
 # T5 v1.0 3B (the t5-3b config on the hub, written out): relu FFN, tied embeddings.
 T5_3B = {"model_type": "t5", "d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24,
@@ -80,15 +80,15 @@ def random_checkpoint(out: Path, config: Any) -> tuple[Path, float]:
 
 
 def estimate(m: ModelConfig, q: QuantizationConfig, a: AdaptersConfig, config: Any) -> memory.Estimate:
-    meta, plan = model_stage.meta_and_plan(m, q, config)
+    meta, plan = models.meta_and_plan(m, q, config)
     return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
 
 
 def load(ckpt: Path, m: ModelConfig, q: QuantizationConfig, config: Any) -> Any:
-    meta, plan = model_stage.meta_and_plan(m, q, config)
+    meta, plan = models.meta_and_plan(m, q, config)
     cls = type(meta)
-    with model_stage.fp32_modules_quantized(cls, q.quantize_fp32_modules):
-        return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=model_stage.bnb_config(q, plan))
+    with models.fp32_modules_quantized(cls, q.quantize_fp32_modules):
+        return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=models.bnb_config(q, plan))
 
 
 def attach_lora(model: Any) -> Any:
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="cache and results folder")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    model_stage._quiet()
+    models.quiet_transformers()
     t_all = time.perf_counter()
-    config = model_stage.hf_config(MODEL)
+    config = models.hf_config(MODEL)
     ckpt, built_s = random_checkpoint(args.out, config)
     how = f"built in {built_s:.0f} s" if built_s else "cached"
     print(f"random t5-3b checkpoint: {ckpt} ({how})", flush=True)

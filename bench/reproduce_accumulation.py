@@ -47,9 +47,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from stages.config import load_pipeline  # noqa: E402
-from stages.pipeline import run_pipeline  # noqa: E402
-from stages.store import open_store  # noqa: E402
+from stages.engine.config import load_pipeline  # noqa: E402
+from stages.engine.remote_store import open_store  # noqa: E402
+from stages.graph import run_pipeline  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 VARIANTS = [  # (label, micro-batch, accumulation, the article's figure)

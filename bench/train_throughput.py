@@ -49,9 +49,9 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.config import DataConfig, TrainConfig  # noqa: E402
+from stages.common.hf import split_gguf  # noqa: E402
 from stages.data import mirror_root  # noqa: E402
-from stages.hf import split_gguf  # noqa: E402
+from stages.engine.schema import DataConfig, TrainConfig  # noqa: E402
 
 DATA = (mirror_root(DataConfig(mirror="../shared/data")) or ROOT.parent / "shared" / "data") / "imdb" / "train.csv.gz"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from flows.cli import main
+from flows.finetune import main
 
 if __name__ == "__main__":
     sys.exit(main("bloom-imdb"))

@@ -21,10 +21,15 @@ from datetime import datetime
 from pathlib import Path
 
 import flows  # noqa: F401  (project defaults only; this module never imports prefect)
-from stages.cli import guarded
-from stages.config import DEFAULT_PIPELINE_FILE, load_pipeline
-from stages.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
-from stages.store import Store, open_store
+from stages.common.fit import estimate_pipeline, format_estimate
+from stages.common.memory import free_memory, gib
+from stages.engine.cli import guarded
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.remote_store import open_store
+from stages.engine.schema import PipelineConfig
+from stages.engine.status import CACHED, MISSING, StageStatus, find
+from stages.engine.store import Store
+from stages.graph import gc, pipeline_status
 
 
 def human_size(n: int | None) -> str:
@@ -45,10 +50,6 @@ def human_time(iso: str | None) -> str:
         return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
     except ValueError:
         return iso
-
-
-def store_location(store: Store) -> str:
-    return getattr(store, "url", None) or str(store.root)
 
 
 def fmt_value(v: object) -> str:
@@ -72,7 +73,7 @@ def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> s
         if s.reasons and s.status != CACHED:
             notes[len(rows) - 1] = s.reasons
     table = render_table(rows).splitlines()
-    out = [f"pipeline {pipeline}   store {store_location(store)}", table[0]]
+    out = [f"pipeline {pipeline}   store {store}", table[0]]
     for i, line in enumerate(table[1:], start=1):
         out.append(line)
         out.extend(f"    {reason}" for reason in notes.get(i, []))
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(refs/, e.g. runs with overrides)")
     g.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
     g.add_argument("--json", action="store_true", help="machine-readable output")
+    me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
+                        "(no weights are loaded)")
+    pipeline_args(me, stage=False)
     return p
 
 
@@ -119,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "gc":
             return cmd_gc(args, store)
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
+        if args.command == "memory":
+            return cmd_memory(cfg)
         statuses = pipeline_status(cfg, store)
         if args.command == "status":
             if args.json:
-                print(json.dumps({"pipeline": cfg.name, "store": store_location(store),
+                print(json.dumps({"pipeline": cfg.name, "store": store,
                                   "stages": [s.to_json() for s in statuses]}, indent=2))
             else:
                 print(render_status(cfg.name, store, statuses))
@@ -144,15 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(go)
 
 
+def cmd_memory(cfg: PipelineConfig) -> int:
+    est = estimate_pipeline(cfg)
+    free, device = free_memory()
+    print(f"pipeline {cfg.name}: {cfg.model.name}, quantization {cfg.quantization.mode}, "
+          f"adapters {cfg.adapters.method}")
+    print(format_estimate(est))
+    print(f"  free on {device}: {gib(free)} -> {'fits' if est.total <= free else 'does NOT fit'}")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
-        print(json.dumps({"store": store_location(store), "dry_run": not args.force, "total_bytes": total,
+        print(json.dumps({"store": store, "dry_run": not args.force, "total_bytes": total,
                           "items": [g.__dict__ for g in garbage]}, indent=2))
         return 0
     if not garbage:
-        print(f"store {store_location(store)}: every artifact is reachable from a pipeline's current keys; nothing to remove")
+        print(f"store {store}: every artifact is reachable from a pipeline's current keys; nothing to remove")
         return 0
     rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
     for g in garbage:

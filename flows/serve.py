@@ -20,9 +20,9 @@ import sys
 import time
 
 import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
-from stages.cli import guarded
-from stages.config import load_pipeline, pipeline_names, store_root
-from stages.errors import ConfigError, FinetuneError
+from stages.engine.cli import guarded
+from stages.engine.config import load_pipeline, pipeline_names, store_root
+from stages.engine.errors import ConfigError, FinetuneError
 
 DEFAULT_API_URL = "http://127.0.0.1:4200/api"
 
@@ -49,11 +49,11 @@ def wait_for_server(api_url: str, wait_s: float) -> None:
 
 
 def deployments(names: list[str]):
-    """One RunnerDeployment per pipeline; entrypoint flows.finetune.finetune (module path, so the run
+    """One RunnerDeployment per pipeline; entrypoint flows.flow.finetune (module path, so the run
     subprocess imports the project package, not a copy of the file)."""
     from prefect.deployments.runner import EntrypointType
 
-    from flows.finetune import finetune
+    from flows.flow import finetune
 
     out = []
     for name in names:

@@ -22,10 +22,12 @@ import sys
 import time
 from typing import Any
 
-from stages.cli import guarded, load_args, parser
-from stages.config import PipelineConfig, store_root
-from stages.pipeline import plan, run_pipeline
-from stages.store import Outcome, Store, open_store
+from stages.engine.cli import guarded, parser
+from stages.engine.config import store_root
+from stages.engine.remote_store import open_store
+from stages.engine.schema import PipelineConfig
+from stages.engine.store import Outcome, Store
+from stages.graph import load_args, plan, run_pipeline
 
 NOT_CACHED = 3
 

@@ -3,23 +3,21 @@
 (`adapter/`, seeded by adapters.init_seed); `full` makes every parameter trainable (the BLOOM article)
 and saves only `adapters.json`. Manifest: trainable / total / percent.
 
-`load_trainable(model_dir, adapters_dir)` is what the train stage calls: the model ready to train.
+`stages.common.models.load_trainable` reads this artifact for the train stage: the model ready to train.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from stages import memory
-from stages.errors import ConfigError
-from stages.model import load_info, load_model
+from stages.common import memory
+from stages.common.models import ADAPTERS_INFO, load_info, load_model
+from stages.engine.errors import ConfigError
 
-INFO = "adapters.json"
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
 
 
@@ -83,7 +81,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if total is None:  # an artifact from before the model stage recorded it
             total = sum(p.numel() for p in load_model(model_dir).parameters())
         facts = {"method": "full", "trainable": total, "total": total, "percent": 100.0}
-        (ctx.out_dir / INFO).write_text(json.dumps(facts, indent=2))
+        (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps(facts, indent=2))
         return facts
 
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -101,31 +99,8 @@ def run(ctx: Any) -> dict[str, Any]:
              "lora_modules": len(wrapped), "lora_targets": sorted({n.rsplit(".", 1)[-1] for n in wrapped}),
              "modules_to_save": sorted(peft_model.modules_to_save or []),
              "footprint_bytes": int(peft_model.get_memory_footprint())}
-    (ctx.out_dir / INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2))
+    (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2))
     ctx.log.info("adapters: lora on %d modules (%s), trainable %s of %s (%.2f%%)", len(wrapped),
                  ", ".join(facts["lora_targets"]), f"{trainable:,}", f"{total:,}", facts["percent"])
     return facts
 
-
-def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> nn.Module:
-    """The model ready to train: the `model` artifact (load_model), prepare_model_for_kbit_training when
-    quantized, then the initial LoRA adapter loaded trainable (modules_to_save included), or for `full`
-    every parameter requiring grad. `gradient_checkpointing` only reaches prepare_model_for_kbit_training
-    (PEFT enables it there for k-bit models); otherwise train.enable_gradient_checkpointing owns it."""
-    adapters_dir = Path(adapters_dir)
-    try:
-        method = json.loads((adapters_dir / INFO).read_text())["method"]
-    except (OSError, ValueError, KeyError):
-        raise ConfigError(f"{adapters_dir}: not an adapters stage artifact (missing {INFO}); run the adapters "
-                          f"stage first") from None
-    info = load_info(model_dir)
-    model = load_model(model_dir)
-    if method == "full":
-        for p in model.parameters():
-            p.requires_grad_(True)
-        return model
-    from peft import PeftModel, prepare_model_for_kbit_training
-
-    if info["quantization"] != "none":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    return PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pyarrow as pa
 
-from stages.config import PROJECT_ROOT, PipelineConfig
-from stages.errors import DataError, MissingInputError
-from stages.hub import ensure_hub_reachable
+from stages.common.arrow import write_arrow
+from stages.common.hub import ensure_hub_reachable
+from stages.engine.config import PROJECT_ROOT
+from stages.engine.errors import DataError, MissingInputError
+from stages.engine.schema import PipelineConfig
 
 SPLITS = ("train", "validation", "test")
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
@@ -247,17 +248,6 @@ def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
         if len(v) == 0:
             raise DataError(f"split '{k}' is empty; check the source files and data.split / data.subset")
     return {k: v.reset_index(drop=True) for k, v in out.items()}
-
-
-def write_arrow(df: pd.DataFrame, path: Path) -> None:
-    table = pa.Table.from_pandas(df, preserve_index=False).replace_schema_metadata(None)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-
-
-def read_split(folder: Path, split_name: str) -> pa.Table:
-    with pa.memory_map(str(folder / f"{split_name}.arrow")) as src:
-        return pa.ipc.open_file(src).read_all()
 
 
 def run(ctx: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
     classification (seq_cls)  logits -> argmax: accuracy, macro-F1, confusion matrix [true][predicted]
     summarisation (seq2seq)   batched generation (greedy or beams, max_new_tokens, length_penalty from
-                              the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming (stages.metrics)
+                              the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming (stages.common.metrics)
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
@@ -23,10 +23,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from stages import metrics
-from stages.batching import IGNORE_INDEX, collate, split_micro
-from stages.errors import MissingInputError
-from stages.tokenize import special_affixes
+from stages.common import metrics
+from stages.common.arrow import read_split
+from stages.common.batching import IGNORE_INDEX, collate, split_micro
+from stages.common.hf import special_affixes
+from stages.common.losses import loss_units, summed_loss
+from stages.common.models import load_trained
+from stages.engine.errors import MissingInputError
 
 
 def exact_cpu_kernels(model: torch.nn.Module) -> None:
@@ -40,7 +43,6 @@ def exact_cpu_kernels(model: torch.nn.Module) -> None:
 
 def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
     """The model this stage evaluates (eval mode): the trained model, fp32 on CPU."""
-    from stages.train import load_trained
 
     model = load_trained(model_dir, adapters_dir, train_dir)
     exact_cpu_kernels(model)
@@ -130,7 +132,6 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
                desc: str) -> dict[str, float]:
-    from stages.train import loss_units, summed_loss
 
     total, units = 0.0, 0
     lengths = [len(x) for x in rows["input_ids"]]
@@ -149,7 +150,6 @@ def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch
 
 def references(data_dir: Path, split: str, ids: list[str]) -> list[str] | None:
     """The data stage's target texts for these rows (tokenize keeps row order), or None without targets."""
-    from stages.data import read_split
 
     table = read_split(data_dir, split)
     if "target" not in table.column_names:

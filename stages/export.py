@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from stages.errors import ConfigError
-from stages.model import DTYPES, LOAD_INFO, load_info, load_model
-from stages.pipeline import select
+from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model
+from stages.engine.errors import ConfigError
+from stages.engine.runner import select
 
-# the config sections the card prints; stages/registry.py declares them (with name, description) as export's reads
+# the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
 
 
@@ -99,26 +99,7 @@ def config_sections(cfg: Any) -> dict[str, Any]:
     return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
-def overrides(name: str, sections: dict[str, Any]) -> list[str] | None:
-    """`--set` arguments that turn pipeline.yaml's `name` into this config (None when pipeline.yaml has no
-    such pipeline). Computed against pipeline.yaml as it is at export time; config.json is exact."""
-    from stages.config import load_pipeline
-    from stages.errors import FinetuneError
-
-    try:
-        base = load_pipeline(name)
-    except FinetuneError:
-        return None
-    sets: list[str] = []
-    for s, ours in sections.items():
-        theirs = getattr(base, s).cache_dict()
-        for k in ours:
-            if ours[k] != theirs.get(k):
-                sets.append(f"{s}.{k}={json.dumps(ours[k], separators=(', ', ': '))}")
-    return sets
-
-
-def command(name: str, sets: list[str] | None, module: str = "flows.finetune") -> str:
+def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
     args = ["python", "-m", module, name] + [a for s in (sets or []) for a in ("--set", s)]
     return " ".join(shlex.quote(a) for a in args)
 
@@ -132,7 +113,7 @@ def lineage(ctx: Any) -> dict[str, str]:
 
 
 def card(name: str, description: str | None, sections: dict[str, Any], keys: dict[str, str], train: dict[str, Any],
-         files: dict[str, str], sets: list[str] | None, facts: dict[str, Any]) -> str:
+         files: dict[str, str], sets: list[str], facts: dict[str, Any]) -> str:
     import yaml
 
     task = sections["model"]["task"]
@@ -150,12 +131,9 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
               f"`{sections['adapters']['method']}`, quantization `{sections['quantization']['mode']}`.", ""]
     lines += ["## Files", ""] + [f"- `{k}/`: {v}" for k, v in files.items()] + [""]
     lines += ["## Reproduce", "", "```bash", command(name, sets), "```", ""]
-    if sets is None:
-        lines += [f"(`{name}` is not in this project's pipeline.yaml: add `config.json`'s sections under "
-                  f"`pipelines: {name}:`.)", ""]
-    elif sets:
-        lines += ["The `--set` options are the differences from pipeline.yaml at export time; `config.json` "
-                  "holds the exact values.", ""]
+    lines += ["The `--set` options are the ones this run was given, on top of pipeline.yaml's `" + name + "` "
+              "as it was then; `config.json` holds the exact values (with a changed pipeline.yaml, add its "
+              "sections under `pipelines:`).", ""]
     lines += ["Evaluation metrics (accuracy / ROUGE) are the evaluate stage's `metrics.json`:", "", "```bash",
               command(name, sets, "stages") + " --only evaluate", "```", ""]
     lines += ["## Training metrics", "", "| metric | value |", "|---|---|"]
@@ -209,7 +187,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
-    sets = overrides(cfg.name, sections)
+    sets = list(cfg.overrides)  # the run's own --set list: the card never reads pipeline.yaml
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
     (ctx.out_dir / "config.json").write_text(json.dumps({"name": cfg.name, **sections}, indent=2, sort_keys=True))
     (ctx.out_dir / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, files, sets, facts))

@@ -12,18 +12,9 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from stages.data import read_split
-from stages.hf import load_tokenizer
-
-IGNORE_INDEX = -100
-
-
-def special_affixes(tok: Any) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer puts before and after a text (e.g. [CLS] ... [SEP])."""
-    bare = tok("x", add_special_tokens=False)["input_ids"]
-    full = tok("x")["input_ids"]
-    start = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
-    return full[:start], full[start + len(bare):]
+from stages.common.arrow import read_split
+from stages.common.batching import IGNORE_INDEX
+from stages.common.hf import load_tokenizer, special_affixes
 
 
 def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:

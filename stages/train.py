@@ -8,7 +8,7 @@ checkpointing, optimizer and LR schedule, and the latest resume checkpoint from 
 this same key was killed.
 
 Loop: each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps
-rows, chosen by a seeded length-grouped sampler: see stages/batching.py), cuts it into micro-batches
+rows, chosen by a seeded length-grouped sampler: see stages/common/batching.py), cuts it into micro-batches
 padded to their own longest row, and runs forward/backward on each. The loss is a *sum* divided by the
 count over the whole effective batch (rows for classification, target tokens for LM tasks), so micro-batch
 k x accumulation 1 and micro-batch 1 x accumulation k give the same gradients (transformers' Trainer
@@ -45,38 +45,18 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from stages import adapters, distributed
-from stages.batching import IGNORE_INDEX, Batch, collate, epoch_batches, shard, split_micro
-from stages.checkpoint import TrainingProgress, latest_checkpoint, load_checkpoint, save_checkpoint
-from stages.errors import ConfigError, MissingInputError
+from stages.common import distributed
+from stages.common.batching import Batch, collate, epoch_batches, shard, split_micro
+from stages.common.checkpoint import TrainingProgress, latest_checkpoint, load_checkpoint, save_checkpoint
+from stages.common.losses import loss_units, summed_loss
+from stages.common.models import load_trainable, save_trained
+from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.schema import TrainConfig
 
 TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 
 # ====================================================================== the loss
-
-def loss_units(batch: Batch, task: str) -> int:
-    """What the loss is averaged over: rows for classification, target tokens for LM tasks."""
-    if task == "seq_cls":
-        return len(batch)
-    labels = batch.labels[:, 1:] if task == "causal_lm" else batch.labels
-    return int((labels != IGNORE_INDEX).sum())
-
-
-def summed_loss(model: torch.nn.Module, batch: Batch, task: str) -> torch.Tensor:
-    """The loss of a micro-batch, summed (not averaged) over its rows or target tokens."""
-    if task == "seq_cls":
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-    if task == "seq2seq":  # labels make the model build decoder inputs (shift right); we compute the loss
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).logits
-        targets = batch.labels
-    else:  # causal LM: token t predicts token t+1
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        targets = batch.labels[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
 
 def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: str,
                       accelerator: Any = None, *, denominator: int | None = None, scale: float = 1.0) -> float:
@@ -201,7 +181,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int,
 
 def enable_gradient_checkpointing(model: torch.nn.Module, log: logging.Logger) -> None:
     """The one place that turns gradient checkpointing on (non-reentrant: frozen inputs need no
-    enable_input_require_grads), except for k-bit models, where adapters.load_trainable's
+    enable_input_require_grads), except for k-bit models, where models.load_trainable's
     prepare_model_for_kbit_training already did. Either way the KV cache goes off (useless in training)."""
     flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
     if not getattr(model, flag, False):
@@ -545,18 +525,6 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
 
 # ====================================================================== the stage
 
-def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
-    """LoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json, modules_to_save included);
-    full: the whole model's save_pretrained (safetensors) plus the model stage's load info, so
-    `stages.model.load_model` reads it like a model artifact."""
-    from stages.model import LOAD_INFO, hf_dir
-
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    if not (folder / "adapter_config.json").is_file():
-        shutil.copy2(hf_dir(model_dir) / LOAD_INFO, folder / LOAD_INFO)
-
-
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
     if tcfg.num_processes > 1:  # the same body, once per process, under `accelerate launch`
@@ -572,7 +540,7 @@ def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, 
     tok_dir = upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     pad_id = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer")).pad_token_id
-    model = adapters.load_trainable(upstream["model"], upstream["adapters"],
+    model = load_trainable(upstream["model"], upstream["adapters"],
                                     gradient_checkpointing=tcfg.gradient_checkpointing)
     metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
                           pad_id, out_dir, work_dir, log)
@@ -603,28 +571,9 @@ def launch_training(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Pa
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One of the launched processes (stages.distributed runs it; rank 0's return value is the stage's)."""
-    from stages.config import TrainConfig
-
+    """One of the launched processes (stages.common.distributed runs it; rank 0's return value is the stage's)."""
     if torch.cuda.is_available():  # before loading: a quantized model goes to the current device (model.load_model)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return train_stage(args["task"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
                        Path(args["out_dir"]), Path(args["work_dir"]), logging.getLogger("finetune.train"))
 
-
-def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
-    """The trained model for the evaluate/export stages (eval mode): the model stage's base with the
-    trained LoRA adapter, or the trained full model. `adapters_dir` is accepted for symmetry with
-    load_trainable (the trained adapter carries its own config)."""
-    from stages.model import load_model
-
-    trained = Path(train_dir) / "trained"
-    if (trained / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_model(Path(model_dir)), str(trained), is_trainable=False)
-    elif (trained / "config.json").is_file():
-        model = load_model(trained)
-    else:
-        raise MissingInputError(f"{trained}: neither a PEFT adapter nor a saved model; rerun the train stage")
-    return model.eval()

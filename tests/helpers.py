@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_pipeline
-from stages.pipeline import run_pipeline
-from stages.store import Outcome, open_store
+from stages.engine.config import load_pipeline
+from stages.engine.remote_store import open_store
+from stages.engine.store import Outcome
+from stages.graph import run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"

@@ -14,8 +14,9 @@ import pytest
 from helpers import SHARED_DATA, needs_shared_data, run
 
 from stages import data as data_stage
-from stages.config import load_pipeline
-from stages.errors import DataError, HubUnreachableError, MissingInputError
+from stages.common import arrow
+from stages.engine.config import load_pipeline
+from stages.engine.errors import DataError, HubUnreachableError, MissingInputError
 
 
 def sha(path: Path) -> str:
@@ -44,7 +45,7 @@ def test_imdb_split_reproduces_the_article(imdb_full, store_dir):
     frames = [pd.read_csv(SHARED_DATA / "imdb" / f"{s}.csv.gz", keep_default_na=False) for s in ("test", "train")]
     df = pd.concat(frames, ignore_index=True).sample(frac=1, random_state=1).reset_index(drop=True)
     for split_name, (a, b) in {"train": (0, 35000), "validation": (35000, 40000), "test": (40000, 50000)}.items():
-        table = data_stage.read_split(o.path, split_name).to_pandas()
+        table = arrow.read_split(o.path, split_name).to_pandas()
         assert table["text"].tolist() == df["text"].iloc[a:b].tolist()
         assert table["label"].tolist() == df["label"].iloc[a:b].tolist()
     # byte-identical when recomputed in another store
@@ -73,7 +74,7 @@ def test_tokenize_records_length_stats_on_real_imdb(imdb_full):
 def test_billsum_mirror_keeps_source_train_and_carves_validation_and_test(store_dir):
     o = run("tiny-billsum", until="tokenize")
     assert o["data"].manifest["metrics"]["rows"] == {"train": 70, "validation": 10, "test": 20}
-    t = data_stage.read_split(o["data"].path, "test").to_pandas()
+    t = arrow.read_split(o["data"].path, "test").to_pandas()
     assert set(t.columns) == {"id", "text", "target"} and t["target"].str.len().min() > 0
     targets = o["tokenize"].manifest["metrics"]["lengths"]["train"]["target"]
     assert targets["max"] <= 64 and targets["count"] == 70

@@ -13,10 +13,10 @@ import torch
 from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.batching import epoch_batches, shard
-from stages.checkpoint import checkpoints
-from stages.distributed import LaunchError, launch
-from stages.errors import ConfigError
+from stages.common.batching import epoch_batches, shard
+from stages.common.checkpoint import checkpoints
+from stages.common.distributed import LaunchError, launch
+from stages.engine.errors import ConfigError
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
@@ -97,7 +97,7 @@ def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path, reference):
 def test_the_stage_with_two_processes_through_the_store(store_dir):
     """train.num_processes=2 on tiny-imdb: the stage launches itself, rank 0 writes the artifact, the
     manifest reports the effective batch with the processes; a config error inside is the stage's error."""
-    from stages.train import load_trained
+    from stages.common.models import load_trained
 
     out = run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", until="train")
     art, m = out["train"].path, out["train"].manifest["metrics"]
@@ -136,8 +136,8 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
 
 
 def test_accelerate_config_must_be_ddp(tmp_path):
-    from stages.distributed import check_accelerate_config
-    from stages.errors import MissingInputError
+    from stages.common.distributed import check_accelerate_config
+    from stages.engine.errors import MissingInputError
 
     with pytest.raises(MissingInputError, match="train.accelerate_config: .* not found; write one with `accelerate config"):
         check_accelerate_config(tmp_path / "none.yaml")

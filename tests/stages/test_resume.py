@@ -17,7 +17,7 @@ import pytest
 import torch
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
+from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent

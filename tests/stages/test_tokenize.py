@@ -7,8 +7,10 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from stages.hub import resolve_local
-from stages.tokenize import IGNORE_INDEX, encode, length_stats, prompt_then_target, special_affixes
+from stages.common.batching import IGNORE_INDEX
+from stages.common.hf import special_affixes
+from stages.common.hub import resolve_local
+from stages.tokenize import encode, length_stats, prompt_then_target
 
 
 @pytest.fixture(scope="module")

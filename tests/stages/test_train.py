@@ -10,8 +10,8 @@ import torch
 from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
-from stages.batching import collate
-from stages.checkpoint import checkpoints
+from stages.common.batching import collate
+from stages.common.checkpoint import checkpoints
 from stages.train import Rows, accumulate_window, lr_factor, train_model
 
 log = logging.getLogger("test.train")
@@ -133,7 +133,7 @@ def test_lr_schedules():
 
 
 def test_causal_lm_loss_counts_target_tokens_only():
-    from stages.train import loss_units
+    from stages.common.losses import loss_units
 
     b = collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}],
                 PAD, "causal_lm")
@@ -147,7 +147,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     read back by load_trained with the trained weights; a second run is a cache hit."""
     from safetensors.torch import load_file
 
-    from stages.train import load_trained
+    from stages.common.models import load_trained
 
     sets = ("train.max_steps=3", "train.log_every=1")
     out = run(pipeline, *sets, until="train")
@@ -177,7 +177,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
 
 
 def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
-    from stages.errors import ConfigError
+    from stages.engine.errors import ConfigError
     from stages.train import resolve_precision
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from stages.config import TrainConfig
+from stages.engine.schema import TrainConfig
 
 VOCAB = 64
 PAD = 0

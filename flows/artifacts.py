@@ -1,0 +1,144 @@
+"""What the Prefect UI shows of each stage: a table artifact of its manifest under a stable key
+(`<pipeline>-<stage>`), the train stage's loss curve, the evaluate stage's metrics, what export wrote."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from stages.engine.store import Outcome
+
+
+def artifact_key(pipeline: str, stage: str) -> str:
+    """Stable per pipeline and stage, so the UI shows each stage's history."""
+    raw = f"{pipeline}-{stage}".lower()
+    return "".join(c if c.isalnum() or c == "-" else "-" for c in raw)
+
+
+def publish(pipeline: str, o: Outcome) -> None:
+    """A table artifact of the stage's manifest under the stable key `<pipeline>-<stage>`; train adds its
+    loss curve (`-train-loss`), evaluate its metrics (`-evaluate-metrics`), export what it wrote
+    (`-export-files`). An artifact that cannot be built is a warning, never a failed stage."""
+    status = "computed" if o.computed else "cached"
+    try:
+        create_table_artifact(table=manifest_rows(o), key=artifact_key(pipeline, o.stage),
+                              description=f"{pipeline} / {o.stage}: {status}")
+        if o.stage == "train" and (md := train_loss_markdown(o)):
+            create_markdown_artifact(markdown=md, key=artifact_key(pipeline, "train-loss"),
+                                     description=f"{pipeline} / train: loss curve ({status})")
+        elif o.stage == "evaluate" and (rows := evaluate_rows(o.manifest.get("metrics"))):
+            create_table_artifact(table=rows, key=artifact_key(pipeline, "evaluate-metrics"),
+                                  description=f"{pipeline} / evaluate: metrics ({status})")
+        elif o.stage == "export" and (rows := export_rows(o)):
+            command = (o.manifest.get("metrics") or {}).get("command")
+            create_table_artifact(table=rows, key=artifact_key(pipeline, "export-files"),
+                                  description=f"{pipeline} / export: what it wrote ({status}) under {o.path}"
+                                  + (f"; reproduce: `{command}`" if isinstance(command, str) else ""))
+    except Exception as e:  # a UI extra must never fail a committed stage
+        logging.getLogger("finetune").warning("%s: artifact for the UI not published: %s", o.stage, e)
+
+
+def manifest_rows(o: Outcome) -> list[dict[str, Any]]:
+    m = o.manifest
+    files = m.get("files") or []
+    rows = [
+        {"field": "status", "value": "computed" if o.computed else "cached"},
+        {"field": "key", "value": o.key},
+        {"field": "path", "value": str(o.path)},
+        {"field": "created", "value": m.get("finished_at")},
+        {"field": "duration_s", "value": m.get("duration_s")},
+        {"field": "size_bytes", "value": sum(f.get("size", 0) for f in files)},
+        {"field": "files", "value": len(files)},
+    ]
+    for name, value in (m.get("metrics") or {}).items():
+        if isinstance(value, int | float | str):
+            rows.append({"field": name, "value": value})
+        elif isinstance(value, dict | list) and len(str(value)) < 400:
+            rows.append({"field": name, "value": str(value)})
+    return rows
+
+
+def _loss_history(folder: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl of a train artifact: train records (step, loss) and validation records (val_loss)."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
+def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
+    """The loss curve (loss.png, inlined) and the loss history as a table, thinned to max_rows."""
+    history = _loss_history(o.path)
+    train = [r for r in history if r.get("kind", "train") == "train" and isinstance(r.get("loss"), int | float)]
+    val = {r["step"]: r for r in history if r.get("kind") == "validation"}
+    metrics = o.manifest.get("metrics") or {}
+    if not train and not val and "final_loss" not in metrics:
+        return None
+    lines = [f"### {o.stage} loss ({'computed' if o.computed else 'cached'}, key `{o.key[:12]}`)", ""]
+    facts = [f"{k} = {_fmt(metrics[k])}" for k in ("steps", "first_loss", "final_loss", "effective_batch",
+                                                    "tokens_per_s") if k in metrics]
+    if facts:
+        lines += [" · ".join(facts), ""]
+    png = o.path / "loss.png"
+    if png.is_file() and png.stat().st_size < 300_000:
+        lines += [f"![loss curve](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
+    if png.is_file():
+        lines += [f"curve: `{png}`", ""]
+    if train:
+        stride = max(1, -(-len(train) // max_rows))
+        shown = train[::stride] if train[-1] in train[::stride] else [*train[::stride], train[-1]]
+        lines += ["| step | loss | validation loss | validation accuracy |", "|---:|---:|---:|---:|"]
+        for r in shown:
+            v = val.get(r["step"], {})
+            lines.append(f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(v.get('val_loss', ''))} | "
+                         f"{_fmt(v.get('val_accuracy', ''))} |")
+    return "\n".join(lines)
+
+
+def evaluate_rows(metrics: Any) -> list[dict[str, Any]]:
+    """One row per split (metrics["splits"] = {split: {metric: value}}, scalars only; the confusion matrix
+    stays in the manifest), else one row per (dotted) metric."""
+    if not isinstance(metrics, dict):
+        return []
+    splits = metrics.get("splits")
+    if isinstance(splits, dict) and splits and all(isinstance(v, dict) for v in splits.values()):
+        return [{"split": name, **{k: v for k, v in values.items() if isinstance(v, int | float | str)}}
+                for name, values in splits.items()]
+    rows = []
+
+    def walk(value: Any, name: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, int | float | str) and len(rows) < 200:
+            rows.append({"metric": name, "value": value})
+
+    walk(metrics, "")
+    return rows
+
+
+def export_rows(o: Outcome) -> list[dict[str, Any]]:
+    """What the export wrote, one row per top-level entry of its folder: absolute path, files, bytes."""
+    groups: dict[str, list[int]] = {}
+    for f in o.manifest.get("files") or []:
+        top = Path(f["path"]).parts[0]
+        groups.setdefault(top, []).append(int(f.get("size") or 0))
+    return [{"path": str(o.path / top), "files": len(sizes), "size_bytes": sum(sizes)}
+            for top, sizes in sorted(groups.items())]
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

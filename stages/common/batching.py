@@ -1,0 +1,110 @@
+"""Batching for the train stage: a seeded, length-grouped order of *effective* batches, each cut into
+micro-batches that are padded only to their own longest row.
+
+Why effective batches first: the optimizer sees one effective batch (micro-batch x accumulation) per
+step. Choosing its members before cutting it into micro-batches means micro-batch 8 x accumulation 2,
+2 x 8 and 16 x 1 all see exactly the same examples per step, so they give the same gradients; the OOM
+back-off (halve micro-batch, double accumulation) and a resume after a crash do not change the data.
+
+Grouping by length (the trick HF's `group_by_length` uses): shuffle everything, cut the shuffled order
+into "mega-chunks" of `MEGA_CHUNK` effective batches, sort each chunk by length, cut it into effective
+batches, then shuffle the effective batches. Rows of similar length share a batch (little padding), and
+the order of batches stays random. Everything is a pure function of (seed, epoch), so the position in
+an epoch is just "how many effective batches are done".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100  # the label of positions without loss (the tokenize stage writes it; PyTorch's default)
+
+MEGA_CHUNK = 50  # effective batches per sorted chunk (HF's megabatch_mult)
+
+
+def epoch_batches(lengths: Sequence[int], effective_batch: int, seed: int, epoch: int,
+                  group_by_length: bool = True) -> list[list[int]]:
+    """The effective batches (lists of row indices) of one epoch; the last one may be short."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(lengths))
+    if not group_by_length:
+        return [order[i:i + effective_batch].tolist() for i in range(0, len(order), effective_batch)]
+    lens = np.asarray(lengths)
+    chunk = effective_batch * MEGA_CHUNK
+    batches = []
+    for start in range(0, len(order), chunk):
+        part = order[start:start + chunk]
+        part = part[np.argsort(-lens[part], kind="stable")]  # longest first within the chunk
+        batches += [part[i:i + effective_batch].tolist() for i in range(0, len(part), effective_batch)]
+    # a short last batch stays last (so every other batch is full); the full ones are shuffled
+    full = [b for b in batches if len(b) == effective_batch]
+    short = [b for b in batches if len(b) != effective_batch]
+    perm = rng.permutation(len(full))
+    return [full[i] for i in perm] + short
+
+
+def split_micro(batch: list[int], lengths: Sequence[int], micro_batch: int) -> list[list[int]]:
+    """Cut an effective batch into micro-batches of similar length (longest first, so an OOM shows early)."""
+    rows = sorted(batch, key=lambda i: (-lengths[i], i))
+    return [rows[i:i + micro_batch] for i in range(0, len(rows), micro_batch)]
+
+
+def shard(batch: list[int], lengths: Sequence[int], rank: int, world: int) -> list[int]:
+    """Process `rank`'s share of an effective batch when `world` processes train together: the rows sorted
+    as split_micro sorts them, dealt round-robin, so shares are disjoint, cover the batch, and get rows
+    of similar lengths. The optimizer step still sees the whole effective batch (gradients are all-reduced),
+    so N processes x micro-batch m x accumulation a see the rows 1 process x m x (a N) sees."""
+    rows = sorted(batch, key=lambda i: (-lengths[i], i))
+    return rows[rank::world]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    real_tokens: int  # non-pad input tokens
+    padded_tokens: int  # tokens computed, padding included (rows x longest row)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
+                     self.real_tokens, self.padded_tokens)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def collate(rows: list[dict], pad_id: int, task: str) -> Batch:
+    """Pad a micro-batch to its longest row (right padding). Labels: class ids for seq_cls, else token
+    ids padded with -100 (ignored by the loss)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        mask[i, :n] = 1
+    if task == "seq_cls":
+        labels = torch.as_tensor([int(r["labels"]) for r in rows], dtype=torch.long)
+    else:
+        lw = max(len(r["labels"]) for r in rows)
+        labels = torch.full((len(rows), lw), IGNORE_INDEX, dtype=torch.long)
+        for i, r in enumerate(rows):
+            labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"], dtype=torch.long)
+    real = int(mask.sum())
+    return Batch(ids, mask, labels, real, ids.numel())
+
+
+def padding_share(batches: list[list[int]], lengths: Sequence[int], micro_batch: int) -> float:
+    """Share of computed tokens that are padding when these effective batches are cut into micro-batches."""
+    real = computed = 0
+    for b in batches:
+        for mb in split_micro(b, lengths, micro_batch):
+            ls = [lengths[i] for i in mb]
+            real += sum(ls)
+            computed += max(ls) * len(ls)
+    return 1 - real / computed if computed else 0.0

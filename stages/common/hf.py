@@ -1,0 +1,66 @@
+"""Locating and loading Hugging Face models and tokenizers: hub ids (with revision), local folders,
+GGUF files, and files inside installed packages (`pkg:`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from stages.common.hub import ensure_hub_reachable, resolve_local
+
+HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "
+           "pkg:PACKAGE/PATH, or download it into the HF cache on a connected machine and set HF_HUB_OFFLINE=1")
+
+
+def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], Path | None]:
+    """(what to pass to from_pretrained, extra kwargs, local path or None for a hub id)."""
+    local = resolve_local(name)
+    if local is not None and local.is_file() and local.suffix == ".gguf":
+        return str(local.parent), {"gguf_file": local.name}, local
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if local is not None:
+        return str(local), kwargs, (local / gguf_file if gguf_file else local)
+    return name, kwargs, None
+
+
+def tokenizer_name(cfg: Any) -> str:
+    return cfg.tokenize.tokenizer or cfg.model.name
+
+
+def tokenizer_files(cfg: Any) -> list[Path]:
+    """Files whose content identifies a local tokenizer (a hub tokenizer is identified by id + revision)."""
+    gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
+    _, _, local = split_gguf(tokenizer_name(cfg), gguf)
+    if local is None:
+        return []
+    if local.is_file():
+        return [local]
+    return sorted(p for p in local.iterdir() if p.is_file() and
+                  (p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "spiece", "added_tokens"))
+                   or p.suffix in (".model", ".tiktoken")))
+
+
+def load_tokenizer(cfg: Any):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
+    source, kwargs, local = split_gguf(tokenizer_name(cfg), gguf)
+    if local is None:
+        ensure_hub_reachable(f"tokenizer {source}", HUB_FIX, source, cfg.model.revision)
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tok = AutoTokenizer.from_pretrained(source, revision=cfg.model.revision if local is None else None,
+                                        trust_remote_code=cfg.model.trust_remote_code, **kwargs)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def special_affixes(tok: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text (e.g. [CLS] ... [SEP])."""
+    bare = tok("x", add_special_tokens=False)["input_ids"]
+    full = tok("x")["input_ids"]
+    start = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
+    return full[:start], full[start + len(bare):]

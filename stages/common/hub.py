@@ -1,0 +1,81 @@
+"""Where models and data come from: the hub (checked quickly, never waiting out its client's retries),
+local folders, and files shipped inside installed Python packages (`pkg:PACKAGE/RELATIVE/PATH`)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+from stages.engine.errors import HubUnreachableError, MissingInputError
+
+HUB_DEADLINE_S = 1.0
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def in_hf_cache(repo_id: str, revision: str | None = None) -> bool:
+    """Whether the Hugging Face cache already holds this repo (its config or tokenizer config)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        with contextlib.suppress(Exception):
+            if isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str):
+                return True
+    return False
+
+
+def ensure_hub_reachable(what: str, fix: str, repo_id: str | None = None, revision: str | None = None) -> None:
+    """Raise within about a second if the hub cannot be reached (or HF_HUB_OFFLINE is set) and the repo
+    is not usable from the local Hugging Face cache."""
+    cached = repo_id is not None and in_hf_cache(repo_id, revision)
+    if hub_offline():
+        if cached:
+            return  # transformers serves it from the cache in offline mode
+        raise HubUnreachableError(f"{what}: the hub is off (HF_HUB_OFFLINE is set); {fix}")
+    if cached:
+        fix = "a copy is in the Hugging Face cache: set HF_HUB_OFFLINE=1 to use it"
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    result: list[BaseException | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_DEADLINE_S).close()
+            result.append(None)
+        except OSError as e:
+            result.append(e)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(HUB_DEADLINE_S)
+    if not result or result[0] is not None:
+        why = "no answer within 1 s" if not result else str(result[0])
+        raise HubUnreachableError(f"{what}: cannot reach the hub at {host}:{port} ({why}); {fix}")
+
+
+def resolve_local(name: str) -> Path | None:
+    """A local path for `name` if it is one: `pkg:PACKAGE/REL` (inside an installed package) or a
+    path that exists. None means it is a hub id."""
+    if name.startswith("pkg:"):
+        package, _, rel = name[4:].partition("/")
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise MissingInputError(f"{name}: Python package '{package}' is not installed; "
+                                    f"pip install {package.replace('_', '-')}")
+        path = Path(next(iter(spec.submodule_search_locations))) / rel
+        if not path.exists():
+            raise MissingInputError(f"{name}: {rel} not found inside package {package} ({path.parent})")
+        return path
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name.startswith(("/", "./", "../", "~")) or name.endswith((".gguf", ".csv", ".jsonl", ".parquet")):
+        raise MissingInputError(f"{name}: no such file or folder; fix the path in pipeline.yaml")
+    return None

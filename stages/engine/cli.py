@@ -1,0 +1,62 @@
+"""Command-line pieces shared by `python -m stages` (no Prefect) and the flows' entry points: the
+arguments, loading them into a config, one line per outcome, and errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.errors import FinetuneError
+from stages.engine.runner import Stage, check_run_options
+from stages.engine.schema import PipelineConfig
+from stages.engine.store import Outcome
+
+
+def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a named pipeline of pipeline.yaml through the "
+                                "content-addressed store; stages whose inputs did not change are reused.")
+    if default_pipeline:
+        p.add_argument("pipeline", nargs="?", default=default_pipeline, help=f"default: {default_pipeline}")
+    else:
+        p.add_argument("pipeline", help="a pipeline name from pipeline.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.lr=1e-4 (repeatable)")
+    p.add_argument("--only", metavar="STAGE", help="run only this stage, reading its upstream from the store")
+    p.add_argument("--until", metavar="STAGE", help="stop after this stage")
+    p.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage")
+    p.add_argument("--verify", action="store_true", help="check full sha256 of cached artifacts, not just sizes")
+    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    return p
+
+
+def load_args(args: argparse.Namespace, graph: Iterable[Stage]) -> PipelineConfig:
+    cfg = load_pipeline(args.pipeline, args.overrides, args.config)
+    check_run_options(graph, args.force, args.only, args.until)
+    return cfg
+
+
+def describe(o: Outcome) -> str:
+    status = "computed" if o.computed else "cached"
+    secs = o.manifest.get("duration_s", 0)
+    return f"  {o.stage:<10} {status:<8} {secs:>8.1f}s  {o.key[:12]}  {o.path}"
+
+
+def guarded(fn: Callable[[], int | None]) -> int:
+    """Run fn; a FinetuneError becomes one line on stderr and exit code 2."""
+    try:
+        return fn() or 0
+    except FinetuneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; committed stages stay in the store, the next run resumes from them", file=sys.stderr)
+        return 130
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")

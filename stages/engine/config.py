@@ -1,0 +1,242 @@
+"""Loading pipeline.yaml: `defaults` is deep-merged under each named pipeline (which may `extends`
+another), then `--set` overrides, then validation against the schema (stages/engine/schema.py). Every problem
+becomes one line naming the YAML path it came from and the fix."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from stages.engine.errors import ConfigError
+from stages.engine.schema import PipelineConfig
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PIPELINE_FILE = PROJECT_ROOT / "pipeline.yaml"
+
+
+def store_root() -> str:
+    """The artifact store: $FINETUNE_STORE (a path or an fsspec URL), else artifacts/ in the project."""
+    return os.environ.get("FINETUNE_STORE") or str(PROJECT_ROOT / "artifacts")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` -> (['train', 'lr'], 1e-4). Values are YAML (numbers, lists, null, strings)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text}: expected KEY=VALUE with a dotted key, e.g. --set train.lr=1e-4")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {text}: empty key segment; write a dotted key such as train.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text}: value is not valid YAML ({e.problem}); quote it") from None
+    return parts, _numberish(value)
+
+
+def _numberish(value: Any) -> Any:
+    # YAML 1.1 reads 5e-5 as a string; people mean a number.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in "eE.") else value
+        except ValueError:
+            return value
+    if isinstance(value, dict):
+        return {k: _numberish(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numberish(v) for v in value]
+    return value
+
+
+def overrides_to_dict(overrides: list[str] | dict[str, Any] | None) -> dict:
+    """--set strings (or a {dotted.key: value} dict, as Prefect deployments pass) -> nested dict."""
+    nested: dict = {}
+    if not overrides:
+        return nested
+    items = (
+        [parse_override(o) for o in overrides]
+        if isinstance(overrides, list)
+        else [(k.split("."), _numberish(v)) for k, v in overrides.items()]
+    )
+    for parts, value in items:
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {'.'.join(parts)}: {p} is set to a value and a section at once")
+        node[parts[-1]] = value
+    return nested
+
+
+def override_strings(overrides: list[str] | dict[str, Any] | None) -> list[str]:
+    """The overrides as `--set` arguments: strings as given, a {dotted.key: value} mapping as key=JSON."""
+    if not overrides:
+        return []
+    if isinstance(overrides, list):
+        return [o.strip() for o in overrides]
+    return [f"{k}={json.dumps(v, separators=(', ', ': '))}" for k, v in overrides.items()]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"{path}: pipeline file not found; pass --config PATH or run from the project root")
+    try:
+        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path.name}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("pipelines"), dict):
+        raise ConfigError(f"{path.name}: needs a top-level 'pipelines:' mapping of named pipelines")
+    unknown = set(doc) - {"defaults", "pipelines"}
+    if unknown:
+        raise ConfigError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: defaults, pipelines")
+    if not isinstance(doc.get("defaults") or {}, dict):
+        raise ConfigError(f"{path.name}: defaults must be a mapping of sections")
+    return doc
+
+
+def pipeline_names(path: Path = DEFAULT_PIPELINE_FILE) -> list[str]:
+    return list(read_yaml(path)["pipelines"])
+
+
+def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:
+    """The pipeline and the pipelines it extends, nearest first."""
+    pipes = doc["pipelines"]
+    chain, seen = [], set()
+    while name is not None:
+        if name in seen:
+            raise ConfigError(f"pipelines.{name}.extends: cycle through {sorted(seen)}; break the loop")
+        seen.add(name)
+        body = pipes.get(name)
+        if body is None:
+            raise ConfigError(f"pipelines.{chain[-1][0]}.extends: unknown pipeline '{name}'; available: "
+                              f"{', '.join(pipes)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"pipelines.{name}: must be a mapping of sections, got {type(body).__name__}")
+        chain.append((name, body))
+        name = body.get("extends")
+    return chain
+
+
+def load_pipeline(name: str, overrides: list[str] | dict | None = None,
+                  path: Path | str = DEFAULT_PIPELINE_FILE) -> PipelineConfig:
+    path = Path(path)
+    doc = read_yaml(path)
+    if name not in doc["pipelines"]:
+        raise ConfigError(f"unknown pipeline '{name}'; available: {', '.join(doc['pipelines'])} "
+                          f"(defined under pipelines: in {path.name})")
+    chain = _chain(doc, name)
+    merged = copy.deepcopy(doc.get("defaults") or {})
+    for _, body in reversed(chain):
+        merged = _deep_merge(merged, body)
+    if "overrides" in merged:
+        raise ConfigError(f"pipelines.{name}: 'overrides' is set by the loader from --set; remove it from {path.name}")
+    over = overrides_to_dict(overrides)
+    merged = _deep_merge(merged, over)
+    merged["name"] = name
+    merged["overrides"] = override_strings(overrides)
+    merged.pop("extends", None)
+    try:
+        return PipelineConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, name, chain, doc.get("defaults") or {}, over)) from None
+
+
+def _has(d: Any, loc: tuple) -> bool:
+    for part in loc:
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
+
+
+def _origin(loc: tuple, name: str, chain: list, defaults: dict, over: dict) -> str:
+    dotted = ".".join(str(p) for p in loc)
+    for prefix in (loc[:i] for i in range(len(loc), 0, -1)):
+        if _has(over, prefix):
+            return f"--set {dotted}"
+        for pname, body in chain:
+            if _has(body, prefix):
+                return f"pipelines.{pname}.{dotted}"
+        if _has(defaults, prefix):
+            return f"defaults.{dotted}"
+    return f"pipelines.{name}.{dotted}"
+
+
+def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over: dict) -> str:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
+        kind, ctx, got = e["type"], e.get("ctx") or {}, e.get("input")
+        where = _origin(loc, name, chain, defaults, over) if loc else f"pipelines.{name}"
+        if kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            valid = ", ".join(model.model_fields) if model else "see pipeline.yaml"
+            msg = f"unknown key '{loc[-1]}'; valid keys here: {valid}"
+        elif kind == "missing":
+            msg = "required; add it to the pipeline or to defaults"
+        elif kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
+            op = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}[kind]
+            bound = next(iter(ctx.values()))
+            bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
+            msg = f"must be {op} {bound}, got {got!r}"
+        elif kind == "literal_error":
+            msg = f"must be one of {ctx.get('expected')}, got {got!r}"
+        elif kind.endswith("_parsing") or kind.endswith("_type"):
+            want = kind.split("_")[0]
+            want = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+                    "list": "a list", "dict": "a mapping", "model": "a mapping"}.get(want, want)
+            msg = f"must be {want}, got {got!r}"
+        elif kind == "value_error":
+            msg = str(ctx.get("error", e["msg"]))
+        else:
+            msg = e["msg"]
+        problems.append(f"{where}: {msg}")
+    return "; ".join(problems)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: Any = PipelineConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if model is None:
+            return None
+    return model

@@ -1,0 +1,138 @@
+"""Hashes that go into cache keys: the code a stage can execute (stages/engine/codegraph.py: the project
+code reachable from its entry points, which Prefect's task-source hash misses), input files (through a
+persistent memo, so unchanged multi-GB inputs are not re-read), and library versions."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from stages.engine.codegraph import CodeGraph, digest, object_hashes
+from stages.engine.config import PROJECT_ROOT
+
+OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- code
+
+
+def root_of(obj: Any) -> tuple[str, str]:
+    """(module, top-level name) of a function, class or method: where the code graph starts."""
+    obj = getattr(obj, "__func__", obj)
+    return obj.__module__, obj.__qualname__.split(".")[0]
+
+
+def code_fingerprint(entry_points: Iterable[Callable | type], graph: CodeGraph | None = None
+                     ) -> tuple[str, list[str]]:
+    """(hash over every project object the entry points can reach, ["module.name:sha12", ...] so status
+    can name what changed)."""
+    closure = (graph or CodeGraph(PROJECT_ROOT)).closure([root_of(e) for e in entry_points])
+    return digest(closure), object_hashes(closure)
+
+
+# ---------------------------------------------------------------- files
+
+
+class HashMemo:
+    """sha256 of files remembered across processes, keyed by (path, inode, size, mtime_ns, ctime_ns) like
+    DVC's state database: a file whose stat fields are all unchanged is not read again; any change to
+    them (a write, a touch, a replace) re-hashes it. In-memory when `path` is None."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self._mem: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def _conn(self) -> sqlite3.Connection | None:
+        if self.path is None:
+            return None
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
+            self._db.execute("CREATE TABLE IF NOT EXISTS hashes (path TEXT, inode INTEGER, size INTEGER, "
+                             "mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, "
+                             "PRIMARY KEY (path, inode, size, mtime_ns, ctime_ns))")
+        return self._db
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self._lock:
+            if memo in self._mem:
+                return self._mem[memo]
+            db = self._conn()
+            if db is not None:
+                try:
+                    row = db.execute("SELECT sha256 FROM hashes WHERE path=? AND inode=? AND size=? AND "
+                                     "mtime_ns=? AND ctime_ns=?", memo).fetchone()
+                except sqlite3.Error:
+                    row = None  # an unreadable memo only costs a re-hash
+                if row:
+                    self._mem[memo] = row[0]
+                    return row[0]
+        value = file_sha256(path)
+        with self._lock:
+            self._mem[memo] = value
+            db = self._conn()
+            if db is not None:
+                try:
+                    with db:
+                        db.execute("DELETE FROM hashes WHERE path=?", memo[:1])
+                        db.execute("INSERT OR REPLACE INTO hashes VALUES (?,?,?,?,?,?)", (*memo, value))
+                except sqlite3.Error:
+                    pass
+        return value
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+_PROCESS_MEMO = HashMemo()
+
+
+def inputs_digest(paths: Iterable[Path], memo: HashMemo | None = None) -> dict[str, str]:
+    """Content hashes of input files; a folder contributes every file under it (relative names)."""
+    memo = memo or _PROCESS_MEMO
+    out: dict[str, str] = {}
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            for root, dirs, files in os.walk(p):
+                dirs.sort()
+                for f in sorted(files):
+                    fp = Path(root) / f
+                    out[f"{p.name}/{fp.relative_to(p)}"] = memo.sha256(fp)
+        elif p.exists():
+            out[f"{p.parent.name}/{p.name}"] = memo.sha256(p)
+    return out
+
+
+def library_versions(names: Iterable[str] = OUTPUT_LIBRARIES) -> dict[str, str]:
+    out = {}
+    for n in names:
+        try:
+            out[n] = importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            out[n] = "absent"
+    return out

@@ -1,0 +1,289 @@
+"""The store on an fsspec filesystem (`s3://`, `gs://`, `memory://`...), so several machines share one
+cache. Same layout and manifest as the local store; what changes is how the guarantees are kept:
+
+- Commit marker: a stage still writes into a local temporary folder; its files are uploaded into
+  `<root>/<stage>/<key>/` and `manifest.json` is uploaded last. An artifact without a manifest (an upload
+  killed halfway) is never a hit, and is overwritten by the next writer. Object stores have no atomic
+  folder rename; the marker written last gives readers the same all-or-nothing view.
+- Lock: a local flock (processes on this machine) plus a lease object `<root>/.locks/<key>.lock`
+  created with exclusive create (`xb`) where the filesystem supports it; a lease older than
+  `LEASE_TTL_S` is taken over (its writer died).
+- Stages need local folders: artifacts are downloaded once into a local cache
+  ($FINETUNE_CACHE, default ~/.cache/finetune/<hash of the URL>), verified by size, and handed on.
+- events.jsonl cannot be appended to on an object store: one small JSON object per event instead.
+
+`file://` URLs use the local store (rename + flock keep their full strength there). `RemoteStore` has the
+local store's interface and holds a local store (its cache) by composition; `open_store` picks one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from stages.engine.config import store_root
+from stages.engine.fingerprint import HashMemo, sha256_text
+from stages.engine.store import MANIFEST, Outcome, StageKey, Store, log, now_iso
+
+LEASE_TTL_S = 6 * 3600
+POLL_S = 0.5
+
+
+class RemoteStore:
+    """The store on an fsspec URL, with a local store as its cache (`self.local`)."""
+
+    def __init__(self, url: str, cache: Path | None = None):
+        self.url = url.rstrip("/")
+        self.fs, self.base = fsspec.core.url_to_fs(self.url)
+        cache_root = cache or Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+        self.local = Store(cache_root / sha256_text(self.url)[:16])
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url})"
+
+    def __str__(self) -> str:
+        return self.url
+
+    # ------------------------------------------------------------ layout (local folders)
+    def artifact_dir(self, stage: str, key: str) -> Path:
+        return self.local.artifact_dir(stage, key)
+
+    def work_dir(self, stage: str, key: str) -> Path:
+        return self.local.work_dir(stage, key)
+
+    def hashes(self) -> HashMemo:
+        return self.local.hashes()
+
+    def location(self, stage: str, key: str) -> str:
+        return f"{self.url}/{stage}/{key}"
+
+    def exists(self) -> bool:
+        return True  # an empty bucket is an empty store
+
+    # ------------------------------------------------------------ remote paths
+    def _r(self, *parts: str) -> str:
+        return "/".join([self.base.rstrip("/"), *parts])
+
+    def read_manifest(self, stage: str, key: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.fs.cat_file(self._r(stage, key, MANIFEST)))
+        except (OSError, ValueError, FileNotFoundError):
+            return None
+
+    def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
+        manifest = self.read_manifest(stage, key)
+        if manifest is None:
+            return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"]
+        if manifest.get("key") != key or manifest.get("stage") != stage:
+            return ["manifest belongs to another key"]
+        out = []
+        for f in manifest.get("files", []):
+            try:
+                size = self.fs.size(self._r(stage, key, f["path"]))
+            except FileNotFoundError:
+                out.append(f"{f['path']}: missing")
+                continue
+            if size != f["size"]:
+                out.append(f"{f['path']}: size {size} != {f['size']}")
+        if verify and not out:
+            local = self._download(stage, key, manifest)
+            out = self.local.problems(stage, key, verify=True) if local else ["download failed"]
+        return out
+
+    def size(self, stage: str, key: str) -> int:
+        m = self.read_manifest(stage, key) or {}
+        return sum(f.get("size", 0) for f in m.get("files", []))
+
+    def entries(self) -> Iterator[tuple[str, str, Path]]:
+        if not self.fs.exists(self.base):
+            return
+        for stage_dir in sorted(self.fs.ls(self.base, detail=False)):
+            name = stage_dir.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith(".") or name in ("refs", "events") or not self.fs.isdir(stage_dir):
+                continue
+            for key_dir in sorted(self.fs.ls(stage_dir, detail=False)):
+                key = key_dir.rstrip("/").rsplit("/", 1)[-1]
+                if len(key) == 64:
+                    yield name, key, self.artifact_dir(name, key)
+
+    def verify_all(self, full: bool = True) -> dict[str, list[str]]:
+        return {f"{s}/{k}": p for s, k, _ in self.entries() if (p := self.problems(s, k, verify=full))}
+
+    def remove(self, stage: str, key: str) -> bool:
+        """Delete the shared artifact and its local copy unless a run (here or elsewhere) holds the key."""
+        with self.try_lock(key, what=f"gc {stage}") as held:
+            if not held:
+                return False
+            self.fs.rm(self._r(stage, key), recursive=True)
+            shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
+            return True
+
+    def work_entries(self) -> Iterator[tuple[str, str, Path]]:
+        return self.local.work_entries()  # scratch is always local to the machine that computes
+
+    def remove_work(self, stage: str, key: str) -> bool:
+        return self.local.remove_work(stage, key)
+
+    # ------------------------------------------------------------ local copies
+    def _download(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
+        """The artifact as a local folder (cached; re-fetched when sizes disagree)."""
+        local = self.artifact_dir(stage, key)
+        if not self.local.problems(stage, key) and self.local.read_manifest(stage, key) == manifest:
+            return local
+        tmp = self.local.root / ".tmp" / f"dl-{stage}-{key}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        for f in manifest["files"]:
+            dest = tmp / f["path"]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(self._r(stage, key, f["path"]), str(dest))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        self.local.commit_folder(tmp, local)
+        return local
+
+    def _upload(self, stage: str, key: str) -> None:
+        """A freshly computed local artifact to the shared store, manifest last (the commit marker)."""
+        final, remote = self.artifact_dir(stage, key), self._r(stage, key)
+        if self.fs.exists(remote):  # a forced recompute or a half-uploaded artifact: invalidate it first
+            self.fs.rm(remote, recursive=True)
+        manifest = json.loads((final / MANIFEST).read_text())
+        for f in manifest["files"]:
+            self.fs.put_file(str(final / f["path"]), f"{remote}/{f['path']}")
+        self.fs.put_file(str(final / MANIFEST), f"{remote}/{MANIFEST}")
+
+    # ------------------------------------------------------------ refs + events
+    def refs(self, pipeline: str) -> dict[str, str]:
+        try:
+            return json.loads(self.fs.cat_file(self._r("refs", f"{pipeline}.json")))
+        except (OSError, ValueError, FileNotFoundError):
+            return {}
+
+    def ref_names(self) -> list[str]:
+        folder = self._r("refs")
+        if not self.fs.exists(folder):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+                      for p in self.fs.ls(folder, detail=False) if p.endswith(".json"))
+
+    def set_ref(self, pipeline: str, stage: str, key: str) -> None:
+        with self.lock(f"refs-{pipeline}"):
+            refs = self.refs(pipeline)
+            refs[stage] = key
+            self.fs.pipe_file(self._r("refs", f"{pipeline}.json"), json.dumps(refs, indent=2).encode())
+
+    def log_event(self, **event: Any) -> None:
+        record = {"time": now_iso(), "pid": os.getpid(), "host": socket.gethostname(), **event}
+        name = f"{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
+        self.fs.pipe_file(self._r("events", name), json.dumps(record, default=str).encode())
+
+    def events(self) -> list[dict[str, Any]]:
+        folder = self._r("events")
+        if not self.fs.exists(folder):
+            return []
+        out = []
+        for path in sorted(self.fs.ls(folder, detail=False), key=lambda p: p.rsplit("/", 1)[-1]):
+            with contextlib.suppress(ValueError, FileNotFoundError):
+                out.append(json.loads(self.fs.cat_file(path)))
+        return out
+
+    # ------------------------------------------------------------ locking
+    @contextlib.contextmanager
+    def lock(self, key: str, what: str = "") -> Iterator[None]:
+        with self.try_lock(key, wait=True, what=what):
+            yield
+
+    @contextlib.contextmanager
+    def try_lock(self, key: str, wait: bool = False, what: str = "") -> Iterator[bool]:
+        """This machine's processes (the local flock), then other machines (a lease object)."""
+        with self.local.try_lock(key, wait=wait, what=what) as held:
+            if not held:
+                yield False
+                return
+            lease = self._r(".locks", f"{key}.lock")
+            self.fs.makedirs(self._r(".locks"), exist_ok=True)
+            announced = False
+            while not self._take_lease(lease):
+                if not wait:
+                    yield False
+                    return
+                if not announced:
+                    log.info("%s: another machine holds the lease on %s; waiting", what or "stage", key[:12])
+                    announced = True
+                time.sleep(POLL_S)
+            try:
+                yield True
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(lease)
+
+    def _take_lease(self, lease: str) -> bool:
+        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
+        try:
+            with self.fs.open(lease, "xb") as f:
+                f.write(body)
+            return True
+        except FileExistsError:
+            try:
+                held = json.loads(self.fs.cat_file(lease))
+            except (FileNotFoundError, ValueError):
+                return False
+            if time.time() - held.get("time", 0) > LEASE_TTL_S:
+                log.warning("lease %s is older than %d s; its holder died, taking it over", lease, LEASE_TTL_S)
+                self.fs.rm_file(lease)
+            return False
+        except (NotImplementedError, ValueError):  # no exclusive create on this filesystem: best effort
+            self.fs.pipe_file(lease, body)
+            return True
+
+    # ------------------------------------------------------------ running
+    def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
+        """Like Store.cached, against the shared store; a hit is downloaded into the local cache."""
+        problems = self.problems(sk.stage, sk.key, verify=verify)
+        if problems:
+            return None, "; ".join(problems)
+        manifest = self.read_manifest(sk.stage, sk.key)
+        assert manifest is not None
+        for name, digest in upstream_digests.items():
+            if manifest.get("upstream", {}).get(name, {}).get("digest") != digest:
+                return None, f"upstream {name} content changed since this artifact was made"
+        if self._download(sk.stage, sk.key, manifest) is None:
+            return None, "download failed"
+        return manifest, "cached"
+
+    def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
+            config: dict[str, Any], upstream_digests: dict[str, str] | None = None, force: bool = False,
+            verify: bool = False) -> Outcome:
+        """Store.run against the shared store: computed locally, then uploaded (manifest last)."""
+        upstream_digests = upstream_digests or {}
+        with self.lock(sk.key, sk.stage):
+            manifest, why = self.cached(sk, upstream_digests, verify)
+            if manifest is not None and not force:
+                self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
+                return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
+            reason = "forced" if force else why
+            outcome = self.local.compute(sk, body, pipeline=pipeline, config=config,
+                                         upstream_digests=upstream_digests, reason=reason)
+            self._upload(sk.stage, sk.key)
+            self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
+                           duration_s=outcome.manifest["duration_s"])
+            return outcome
+
+
+def open_store(root: str | Path | None = None) -> Store | RemoteStore:
+    """The store at root (default: $FINETUNE_STORE or artifacts/): a local path, a file:// URL (the local
+    store), or any other fsspec URL (s3://, gs://, memory://...)."""
+    raw = str(root if root is not None else store_root())
+    if raw.startswith("file://"):
+        return Store(Path(raw[len("file://"):]))
+    if "://" in raw:
+        return RemoteStore(raw)
+    return Store(Path(raw))

@@ -1,0 +1,265 @@
+"""What the store holds for a pipeline, without running anything (no Prefect either): each stage's
+current key and whether it is `cached`, `stale` (an artifact of an earlier config, code or library
+exists, and we say which input changed, in `dvc status` words) or `missing`; and `gc`, which finds the
+artifacts that no pipeline's current keys reach.
+
+The baseline a stale stage is compared with is the artifact the pipeline last used (refs/<pipeline>.json),
+else the newest artifact of that stage made by the same pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
+from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
+from stages.engine.runner import Planned, Stage, plan
+from stages.engine.schema import PipelineConfig
+from stages.engine.store import StageKey, Store, folder_size
+
+CACHED, STALE, MISSING = "cached", "stale", "missing"
+
+# Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found).
+HEADLINE = ("accuracy", "val_accuracy", "rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "val_loss",
+            "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
+            "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
+MAX_HEADLINE = 4
+
+
+@dataclass
+class StageStatus:
+    stage: str
+    key: str  # the key the current config gives this stage
+    status: str  # cached / stale / missing
+    reasons: list[str] = field(default_factory=list)  # why stale or missing, dvc-style
+    path: str | None = None  # the artifact shown: the current one, else the stale baseline
+    artifact_key: str | None = None  # key of that artifact (== key when cached)
+    size_bytes: int | None = None
+    created: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # headline metrics
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- diffs
+
+
+def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def changed_params(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted config fields whose value differs: {'tokenize': {'max_length': 8}} vs 16 -> tokenize.max_length."""
+    a, b = _flatten(old, ""), _flatten(new, "")
+    return sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+
+
+_ABSENT = object()
+
+
+def _changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    out = []
+    for name in sorted(old.keys() | new.keys()):
+        if name not in old:
+            out.append(f"{name} (new)")
+        elif name not in new:
+            out.append(f"{name} (deleted)")
+        elif old[name] != new[name]:
+            out.append(f"{name} (modified)")
+    return out
+
+
+def _objects(entries: list[str]) -> dict[str, str]:
+    """["module.qualname:sha12", ...] -> {name: sha12} (older manifests list bare names)."""
+    return dict(e.rsplit(":", 1) if ":" in e else (e, "") for e in entries)
+
+
+def why_changed(old_inputs: dict[str, Any], sk: StageKey) -> list[str]:
+    """What differs between an artifact's recorded key inputs and the current StageKey, as
+    `changed params: train.lr`, `changed upstream: tokenize`, `changed deps: ...`, `changed code`,
+    `changed libraries: torch 2.3.0 -> 2.4.0`."""
+    new = {**sk.key_inputs(), "code_objects": list(sk.code_objects)}
+    out = []
+    if params := changed_params(old_inputs.get("params") or {}, new["params"]):
+        out.append("changed params: " + ", ".join(params))
+    old_up, new_up = old_inputs.get("upstream") or {}, new["upstream"]
+    if ups := sorted(n for n in old_up.keys() | new_up.keys() if old_up.get(n) != new_up.get(n)):
+        out.append("changed upstream: " + ", ".join(ups))
+    if deps := _changed_files(old_inputs.get("inputs") or {}, new["inputs"]):
+        out.append("changed deps: " + ", ".join(deps))
+    if old_inputs.get("code") != new["code"]:
+        old_objs, new_objs = _objects(old_inputs.get("code_objects") or []), _objects(new["code_objects"])
+        detail = ([f"{o} (modified)" for o in sorted(old_objs.keys() & new_objs.keys())
+                   if old_objs[o] != new_objs[o]]
+                  + [f"+{o}" for o in sorted(new_objs.keys() - old_objs.keys())]
+                  + [f"-{o}" for o in sorted(old_objs.keys() - new_objs.keys())])
+        out.append("changed code" + (f": {', '.join(detail)}" if detail else f" (the {sk.stage} stage's functions)"))
+    old_lib, new_lib = old_inputs.get("libraries") or {}, new["libraries"]
+    if libs := [f"{n} {old_lib.get(n, 'absent')} -> {new_lib.get(n, 'absent')}"
+                for n in sorted(old_lib.keys() | new_lib.keys()) if old_lib.get(n) != new_lib.get(n)]:
+        out.append("changed libraries: " + ", ".join(libs))
+    if old_inputs.get("stage", sk.stage) != sk.stage:
+        out.append(f"changed stage: {old_inputs.get('stage')}")
+    return out or ["changed key (no recorded input differs; manifest from an older store format?)"]
+
+
+# ---------------------------------------------------------------- status
+
+
+def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """A few scalar metrics worth a table column (the train stage's last validation counts too)."""
+    if not isinstance(metrics, dict):
+        return {}
+    flat: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, list) and v and isinstance(v[-1], dict):  # e.g. train's validation history
+            v = v[-1]
+        if isinstance(v, dict):
+            for k2, v2 in _flatten(v, k).items():
+                flat[k2] = v2
+        else:
+            flat[k] = v
+    scalars = {k: v for k, v in flat.items() if isinstance(v, int | float | str) and not isinstance(v, bool)}
+    numbers = {k: v for k, v in scalars.items() if not isinstance(v, str)}
+    out: dict[str, Any] = {}
+    for want in HEADLINE:
+        hits = [k for k in numbers if k == want] or [k for k in numbers if k.endswith("." + want)]
+        if hits and hits[0] not in out:
+            out[hits[0]] = numbers[hits[0]]
+        if len(out) >= MAX_HEADLINE:
+            break
+    return out
+
+
+def _artifact_facts(store: Store, stage: str, key: str) -> dict[str, Any]:
+    m = store.read_manifest(stage, key) or {}
+    return {"path": store.location(stage, key), "artifact_key": key,
+            "size_bytes": sum(f.get("size", 0) for f in m.get("files", [])),
+            "created": m.get("finished_at"), "metrics": headline(m.get("metrics"))}
+
+
+def _baseline(store: Store, pipeline: str, stage: str, current: str) -> str | None:
+    """The key of the artifact to compare a non-cached stage with."""
+    ref = store.refs(pipeline).get(stage)
+    if ref and ref != current and store.read_manifest(stage, ref) is not None:
+        return ref
+    best: tuple[str, str] | None = None
+    for st, key, _ in store.entries():
+        if st != stage or key == current:
+            continue
+        m = store.read_manifest(stage, key)
+        if m and m.get("pipeline") == pipeline and m.get("key_inputs"):
+            stamp = m.get("finished_at") or ""
+            if best is None or stamp > best[0]:
+                best = (stamp, key)
+    return best[1] if best else None
+
+
+def stage_status(store: Store, pipeline: str, item: Planned) -> StageStatus:
+    sk = item.key
+    st = StageStatus(stage=sk.stage, key=sk.key, status=MISSING)
+    problems = store.problems(sk.stage, sk.key)
+    if not problems:
+        st.status = CACHED
+        for k, v in _artifact_facts(store, sk.stage, sk.key).items():
+            setattr(st, k, v)
+        return st
+    corrupt = problems != ["not in store"]
+    base = _baseline(store, pipeline, sk.stage, sk.key)
+    if base is not None:
+        manifest = store.read_manifest(sk.stage, base) or {}
+        st.status = STALE
+        st.reasons = why_changed(manifest.get("key_inputs") or {}, sk)
+        for k, v in _artifact_facts(store, sk.stage, base).items():
+            setattr(st, k, v)
+    else:
+        st.reasons = ["not in cache"]
+    if corrupt:
+        st.reasons.append(f"current artifact invalid: {'; '.join(problems)}")
+    return st
+
+
+def pipeline_status(cfg: PipelineConfig, store: Store, graph: Iterable[Stage]) -> list[StageStatus]:
+    return [stage_status(store, cfg.name, item) for item in plan(cfg, graph)]
+
+
+def find(statuses: list[StageStatus], stage: str) -> StageStatus:
+    for s in statuses:
+        if s.stage == stage:
+            return s
+    raise ConfigError(f"unknown stage '{stage}'; stages are {', '.join(s.stage for s in statuses)}")
+
+
+# ---------------------------------------------------------------- gc
+
+
+@dataclass
+class Garbage:
+    kind: str  # artifact / work
+    stage: str
+    key: str
+    path: str
+    size_bytes: int
+    removed: bool = False
+    note: str = ""
+
+
+def reachable_keys(store: Store, graph: Iterable[Stage], pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
+                   keep_refs: bool = False) -> set[tuple[str, str]]:
+    """(stage, key) of every stage of every pipeline in the file, for its current config. A pipeline
+    that cannot be planned stops gc: deleting what it might reach would be a guess."""
+    keep: set[tuple[str, str]] = set()
+    for name in pipeline_names(Path(pipelines_file)):
+        try:
+            items = plan(load_pipeline(name, None, pipelines_file), graph)
+        except FinetuneError as e:
+            raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \
+                from None
+        keep |= {(i.key.stage, i.key.key) for i in items}
+        if keep_refs:
+            keep |= set(store.refs(name).items())
+    if keep_refs:  # refs of pipelines no longer in the file, too
+        for name in store.ref_names():
+            keep |= set(store.refs(name).items())
+    return keep
+
+
+def find_garbage(store: Store, keep: set[tuple[str, str]]) -> list[Garbage]:
+    """Unreachable artifacts, and local scratch (.work) of unreachable keys."""
+    out = [Garbage("artifact", stage, key, store.location(stage, key), store.size(stage, key))
+           for stage, key, _ in store.entries() if (stage, key) not in keep]
+    out += [Garbage("work", stage, key, str(folder), folder_size(folder))
+            for stage, key, folder in store.work_entries() if (stage, key) not in keep]
+    return out
+
+
+def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
+    """Delete each item unless a run holds its key's lock (then it is in use: kept)."""
+    for g in garbage:
+        try:
+            g.removed = store.remove(g.stage, g.key) if g.kind == "artifact" else store.remove_work(g.stage, g.key)
+        except OSError as e:
+            g.note = f"not removed: {e}"
+            continue
+        if g.removed:
+            store.log_event(event="gc", stage=g.stage, key=g.key, kind=g.kind, size_bytes=g.size_bytes)
+        else:
+            g.note = "in use by a running stage; kept"
+    return garbage
+
+
+def gc(store: Store, graph: Iterable[Stage], pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
+       keep_refs: bool = False) -> list[Garbage]:
+    if not store.exists():
+        raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
+    garbage = find_garbage(store, reachable_keys(store, graph, pipelines_file, keep_refs))
+    return remove_garbage(store, garbage) if force else garbage

@@ -1,0 +1,375 @@
+"""The content-addressed stage store.
+
+Layout under the root (default `artifacts/`):
+  <stage>/<key>/           a committed artifact: the stage's files plus manifest.json
+  .tmp/<stage>-<key>-...   work in progress; never read, removed by the next writer of that key
+  .locks/<key>.lock        one flock per key: two runs never compute the same key at once
+  .work/<stage>-<key>/     a stage's scratch that survives a crash (training checkpoints), so a
+                           rerun of the same key resumes; removed once the artifact is committed
+  refs/<pipeline>.json     the keys a pipeline last used, per stage (for status and gc)
+  events.jsonl             one line per stage outcome (computed / cached / recomputed and why)
+
+A stage is written to .tmp, its files hashed into manifest.json (written last), and the folder renamed
+into place: a reader sees all of it or none of it. An artifact counts as cached only when its manifest
+parses and every file has the recorded size (and sha256, with verify=True); anything else is a
+warning and a recompute, never a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
+
+log = logging.getLogger("finetune.store")
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """Everything a stage's output depends on, and the sha256 over it."""
+
+    stage: str
+    params: dict[str, Any]
+    upstream: dict[str, str]
+    inputs: dict[str, str]
+    code: str
+    code_objects: tuple[str, ...]
+    libraries: dict[str, str]
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", sha256_text(canonical_json(self.key_inputs())))
+
+    def key_inputs(self) -> dict[str, Any]:
+        return {"stage": self.stage, "params": self.params, "upstream": self.upstream,
+                "inputs": self.inputs, "code": self.code, "libraries": self.libraries}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    stage: str
+    key: str
+    path: Path
+    computed: bool
+    reason: str
+    manifest: dict[str, Any]
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def files_digest(files: list[dict[str, Any]]) -> str:
+    return sha256_text(canonical_json({f["path"]: f["sha256"] for f in files}))
+
+
+class Store:
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self._hashes: HashMemo | None = None
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    # ------------------------------------------------------------ layout
+    def artifact_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / key
+
+    def hashes(self) -> HashMemo:
+        """The memo of input-file hashes kept with this store (plan reads it)."""
+        if self._hashes is None:
+            self._hashes = HashMemo(self.root / ".state" / "hashes.sqlite")
+        return self._hashes
+
+    def work_dir(self, stage: str, key: str) -> Path:
+        return self.root / ".work" / f"{stage}-{key}"
+
+    def _lock_path(self, key: str) -> Path:
+        return self.root / ".locks" / f"{key}.lock"
+
+    @contextlib.contextmanager
+    def lock(self, key: str, what: str = "") -> Iterator[None]:
+        """Hold the key's lock, waiting for another run that holds it."""
+        with self.try_lock(key, wait=True, what=what):
+            yield
+
+    @contextlib.contextmanager
+    def try_lock(self, key: str, wait: bool = False, what: str = "") -> Iterator[bool]:
+        """Hold the key's lock: yields True, or False at once when a run holds it and `wait` is off."""
+        path = self._lock_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    yield False
+                    return
+                log.info("%s: another run is computing key %s; waiting for it", what or "stage", key[:12])
+                fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield True
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------ reading
+    def read_manifest(self, stage: str, key: str) -> dict[str, Any] | None:
+        path = self.artifact_dir(stage, key) / MANIFEST
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
+        """Why this artifact is not a valid cache entry ([] when it is)."""
+        folder = self.artifact_dir(stage, key)
+        if not folder.is_dir():
+            return ["not in store"]
+        manifest = self.read_manifest(stage, key)
+        if manifest is None:
+            return ["manifest.json missing or unreadable"]
+        if manifest.get("key") != key or manifest.get("stage") != stage:
+            return ["manifest belongs to another key"]
+        out = []
+        for f in manifest.get("files", []):
+            p = folder / f["path"]
+            if not p.is_file():
+                out.append(f"{f['path']}: missing")
+            elif p.stat().st_size != f["size"]:
+                out.append(f"{f['path']}: size {p.stat().st_size} != {f['size']}")
+            elif verify and file_sha256(p) != f["sha256"]:
+                out.append(f"{f['path']}: sha256 mismatch")
+        return out
+
+    def entries(self) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, folder) for every committed artifact folder."""
+        if not self.root.is_dir():
+            return
+        for stage_dir in sorted(self.root.iterdir()):
+            if stage_dir.name.startswith(".") or stage_dir.name == "refs" or not stage_dir.is_dir():
+                continue
+            for key_dir in sorted(stage_dir.iterdir()):
+                if key_dir.is_dir() and len(key_dir.name) == 64:
+                    yield stage_dir.name, key_dir.name, key_dir
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def location(self, stage: str, key: str) -> str:
+        """Where the artifact lives, for people: its folder here, its URL on a shared store."""
+        return str(self.artifact_dir(stage, key))
+
+    def size(self, stage: str, key: str) -> int:
+        """Bytes of an artifact: from its manifest, else what is on disk."""
+        m = self.read_manifest(stage, key)
+        if m is not None:
+            return sum(f.get("size", 0) for f in m.get("files", []))
+        return folder_size(self.artifact_dir(stage, key))
+
+    def work_entries(self) -> Iterator[tuple[str, str, Path]]:
+        """(stage, key, folder) of every stage's scratch (.work) left by a run that did not commit."""
+        work = self.root / ".work"
+        if work.is_dir():
+            for d in sorted(work.iterdir()):
+                stage, _, key = d.name.rpartition("-")
+                if d.is_dir() and len(key) == 64:
+                    yield stage, key, d
+
+    def remove(self, stage: str, key: str) -> bool:
+        """Delete a committed artifact unless a run holds its key (then False: in use, kept)."""
+        return self._remove_folder(key, self.artifact_dir(stage, key), f"gc-{stage}")
+
+    def remove_work(self, stage: str, key: str) -> bool:
+        """Delete a key's scratch unless a run holds the key (False: in use, kept)."""
+        return self._remove_folder(key, self.work_dir(stage, key), f"gc-work-{stage}")
+
+    def _remove_folder(self, key: str, folder: Path, tag: str) -> bool:
+        with self.try_lock(key) as held:
+            if not held:
+                return False
+            trash = self.root / ".tmp" / f"{tag}-{key[:12]}-{uuid.uuid4().hex[:8]}"
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(folder, trash)  # gone from the store at once; then reclaim the space
+            shutil.rmtree(trash, ignore_errors=True)
+            return True
+
+    def verify_all(self, full: bool = True) -> dict[str, list[str]]:
+        return {f"{s}/{k}": p for s, k, _ in self.entries() if (p := self.problems(s, k, verify=full))}
+
+    # ------------------------------------------------------------ refs + events
+    def refs(self, pipeline: str) -> dict[str, str]:
+        try:
+            return json.loads((self.root / "refs" / f"{pipeline}.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def ref_names(self) -> list[str]:
+        """Pipelines that have refs (what each last ran), including pipelines no longer in the file."""
+        folder = self.root / "refs"
+        return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+
+    def set_ref(self, pipeline: str, stage: str, key: str) -> None:
+        with self.lock(f"refs-{pipeline}"):
+            refs = self.refs(pipeline)
+            refs[stage] = key
+            write_json_atomic(self.root / "refs" / f"{pipeline}.json", refs)
+
+    def log_event(self, **event: Any) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"time": now_iso(), "pid": os.getpid(), **event}, default=str) + "\n"
+        fd = os.open(self.root / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            lines = (self.root / "events.jsonl").read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    # ------------------------------------------------------------ running
+    def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
+        """The manifest when sk's artifact is a valid hit, else (None, why it is not)."""
+        problems = self.problems(sk.stage, sk.key, verify=verify)
+        if problems:
+            return None, "; ".join(problems)
+        manifest = self.read_manifest(sk.stage, sk.key)
+        assert manifest is not None
+        for name, digest in upstream_digests.items():
+            recorded = manifest.get("upstream", {}).get(name, {}).get("digest")
+            if recorded != digest:
+                return None, f"upstream {name} content changed since this artifact was made"
+        return manifest, "cached"
+
+    def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
+            config: dict[str, Any], upstream_digests: dict[str, str] | None = None, force: bool = False,
+            verify: bool = False) -> Outcome:
+        """Return sk's artifact, computing it with body(tmp_dir, work_dir) -> metrics unless a valid one
+        exists. tmp_dir becomes the artifact; work_dir persists across crashes until the commit."""
+        upstream_digests = upstream_digests or {}
+        with self.lock(sk.key, sk.stage):
+            manifest, why = self.cached(sk, upstream_digests, verify)
+            if manifest is not None and not force:
+                self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
+                return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
+            reason = "forced" if force else why
+            if why not in ("not in store", "cached") and not force:
+                log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], why)
+            outcome = self.compute(sk, body, pipeline=pipeline, config=config, upstream_digests=upstream_digests,
+                                   reason=reason)
+            self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
+                           duration_s=outcome.manifest["duration_s"])
+            return outcome
+
+    def compute(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
+                config: dict[str, Any], upstream_digests: dict[str, str], reason: str) -> Outcome:
+        """Run body into a temporary folder and commit it as sk's artifact. The caller holds sk's lock."""
+        final = self.artifact_dir(sk.stage, sk.key)
+        self._clear_tmp(sk)
+        tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        started, t0 = now_iso(), time.perf_counter()
+        work = self.work_dir(sk.stage, sk.key)
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            metrics = body(tmp, work) or {}
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
+                                        time.perf_counter() - t0)
+        self.commit_folder(tmp, final)
+        shutil.rmtree(work, ignore_errors=True)
+        return Outcome(sk.stage, sk.key, final, True, reason, manifest)
+
+    def _clear_tmp(self, sk: StageKey) -> None:
+        # We hold sk's lock, so any .tmp folder of this key is a dead run's leftover.
+        tmp_root = self.root / ".tmp"
+        if tmp_root.is_dir():
+            for d in tmp_root.glob(f"{sk.stage}-{sk.key}-*"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _write_manifest(self, tmp: Path, sk: StageKey, pipeline: str, config: dict, upstream_digests: dict,
+                        metrics: dict, started: str, duration: float) -> dict[str, Any]:
+        files = []
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file() and p.name != MANIFEST:
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
+                files.append({"path": str(p.relative_to(tmp)), "size": p.stat().st_size, "sha256": file_sha256(p)})
+        manifest = {
+            "key": sk.key,
+            "stage": sk.stage,
+            "pipeline": pipeline,
+            "config": config,
+            "key_inputs": {**sk.key_inputs(), "code_objects": list(sk.code_objects)},
+            "upstream": {n: {"key": k, "digest": upstream_digests.get(n)} for n, k in sk.upstream.items()},
+            "libraries": sk.libraries,
+            "files": files,
+            "digest": files_digest(files),
+            "started_at": started,
+            "finished_at": now_iso(),
+            "duration_s": round(duration, 3),
+            "metrics": metrics,
+        }
+        write_json_atomic(tmp / MANIFEST, manifest)
+        fsync_path(tmp)
+        return manifest
+
+    def commit_folder(self, tmp: Path, final: Path) -> None:
+        """Move a complete folder into place as an artifact (replacing an invalid one)."""
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            trash = self.root / ".tmp" / f"trash-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+
+
+def folder_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += (Path(root) / f).lstat().st_size
+    return total

@@ -1,0 +1,110 @@
+"""The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
+Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it.
+
+The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
+bound to this graph, for the command lines and flows above."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from stages import adapters, data, model, tokenize, train
+from stages import evaluate as evaluate_stage
+from stages import export as export_stage
+from stages.common.fit import check_pipeline_fits
+from stages.common.hf import tokenizer_files
+from stages.common.models import input_files as model_input_files
+from stages.engine import cli, runner, status
+from stages.engine.config import DEFAULT_PIPELINE_FILE
+from stages.engine.runner import Planned, Stage
+from stages.engine.schema import PipelineConfig
+from stages.engine.store import Outcome, Store
+
+STAGES: list[Stage] = [
+    Stage(
+        name="data",
+        body=data.run,
+        reads=("data", "model.task", "model.num_labels"),
+        inputs=data.source_files,
+        libraries=("pandas", "pyarrow", "datasets"),
+    ),
+    Stage(
+        name="tokenize",
+        body=tokenize.run,
+        reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
+               "model.trust_remote_code"),
+        upstream=("data",),
+        inputs=tokenizer_files,
+        libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
+    ),
+    Stage(
+        name="model",
+        body=model.run,
+        precheck=check_pipeline_fits,  # stop before loading when training cannot fit
+        reads=("model", "quantization", "tokenize.tokenizer"),
+        inputs=model_input_files,
+        libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
+    ),
+    Stage(
+        name="adapters",
+        body=adapters.run,
+        reads=("adapters",),
+        upstream=("model",),
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+    ),
+    Stage(
+        name="train",
+        body=train.run,
+        reads=("train", "model.task"),
+        upstream=("tokenize", "model", "adapters"),
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
+    ),
+    Stage(
+        name="evaluate",
+        body=evaluate_stage.run,
+        # its own section: changing beams / max_new_tokens / splits reruns this stage only
+        reads=("evaluate", "model.task"),
+        upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "rouge_score"),
+    ),
+    Stage(
+        name="export",
+        body=export_stage.run,
+        # every section the model card prints; all but `export` are upstream's already (no extra reruns).
+        # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export.
+        reads=("name", "description", "overrides", *export_stage.CARD_SECTIONS),
+        upstream=("tokenize", "model", "adapters", "train"),  # tokenize: the tokenizer shipped with the model
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+    ),
+]
+
+
+def plan(cfg: PipelineConfig) -> list[Planned]:
+    return runner.plan(cfg, STAGES)
+
+
+def stage_names() -> list[str]:
+    return runner.stage_names(STAGES)
+
+
+def check_run_options(force: list[str] | tuple[str, ...] = (), only: str | None = None,
+                      until: str | None = None) -> None:
+    runner.check_run_options(STAGES, force, only, until)
+
+
+def run_pipeline(cfg: PipelineConfig, store: Store, **kw: Any) -> list[Outcome]:
+    return runner.run_pipeline(cfg, store, STAGES, **kw)
+
+
+def load_args(args: argparse.Namespace) -> PipelineConfig:
+    return cli.load_args(args, STAGES)
+
+
+def pipeline_status(cfg: PipelineConfig, store: Store) -> list[status.StageStatus]:
+    return status.pipeline_status(cfg, store, STAGES)
+
+
+def gc(store: Store, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, **kw: Any) -> list[status.Garbage]:
+    return status.gc(store, STAGES, pipelines_file, **kw)

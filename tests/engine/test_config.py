@@ -1,0 +1,123 @@
+"""pipeline.yaml validation: each malformed file or --set gives one line naming the YAML path and the fix,
+exit code 2, and nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stages.__main__ import main as main_plain
+from stages.engine.config import load_pipeline, pipeline_names
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE = """
+defaults:
+  train: {micro_batch_size: 1, gradient_accumulation_steps: 1, lr: 5.0e-5}
+pipelines:
+  bloom-imdb:
+    model: {name: bigscience/bloom-560m}
+    train: {gradient_accumulation_steps: 16}
+"""
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    code = main_plain(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pipeline.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+CASES = [
+    # (yaml body or None for BASE, --set list, pipeline, expected error line)
+    (BASE.replace("gradient_accumulation_steps: 16", "gradient_accumulation_steps: 0"), [], "bloom-imdb",
+     "pipelines.bloom-imdb.train.gradient_accumulation_steps: must be >= 1, got 0"),
+    (BASE.replace("{gradient_accumulation_steps: 16}", "{gradient_accumulation_step: 16}"), [], "bloom-imdb",
+     "pipelines.bloom-imdb.train.gradient_accumulation_step: unknown key 'gradient_accumulation_step'; valid keys here: "),
+    (BASE.replace("micro_batch_size: 1,", "micro_batch_size: four,"), [], "bloom-imdb",
+     "defaults.train.micro_batch_size: must be an integer, got 'four'"),
+    (None, [], "bloom-imbd", "unknown pipeline 'bloom-imbd'; available: bloom-imdb"),
+    (None, ["train.lr=-1"], "bloom-imdb", "--set train.lr: must be > 0, got -1"),
+    (None, ["train.lrr=1e-4"], "bloom-imdb", "--set train.lrr: unknown key 'lrr'; valid keys here: micro_batch_size"),
+    (None, ["train.lr"], "bloom-imdb", "--set train.lr: expected KEY=VALUE with a dotted key, e.g. --set train.lr=1e-4"),
+    (None, ["train.optimizer=sgd"], "bloom-imdb",
+     "--set train.optimizer: must be one of 'adam', 'adamw_torch', 'adamw_8bit' or 'paged_adamw_8bit', got 'sgd'"),
+    (None, ["quantization.mode=2bit"], "bloom-imdb", "--set quantization.mode: must be one of 'none', '8bit' or '4bit'"),
+    (BASE + "  broken: {extends: nope}\n", [], "broken", "pipelines.broken.extends: unknown pipeline 'nope'"),
+    (BASE + "    model: [oops\n", [], "bloom-imdb", "pipeline.yaml line 9: not valid YAML"),
+    (BASE + "    train: {lr: 1.0e-4}\n", [], "bloom-imdb", "pipeline.yaml line 8: not valid YAML (key 'train' appears twice"),
+    (None, ["adapters.method=lora"], "bloom-imdb",
+     "--set adapters: method 'lora' needs target_modules (e.g. [q_proj, v_proj])"),
+    (None, ["data.split.mode=shuffle_concat"], "bloom-imdb",
+     "--set data.split: shuffle_concat needs train, validation and test row counts"),
+]
+
+
+@pytest.mark.parametrize("body,sets,pipeline,expected", CASES, ids=[c[3][:40] for c in CASES])
+def test_malformed_config_is_one_line_exit_2_nothing_written(tmp_path, store_dir, capsys, body, sets, pipeline,
+                                                              expected):
+    path = write(tmp_path, body if body is not None else BASE)
+    argv = [pipeline, "--config", str(path)] + [a for s in sets for a in ("--set", s)]
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert expected in lines[0], lines[0]
+    assert not store_dir.exists()
+
+
+def test_unknown_stage_in_force_and_only(tmp_path, store_dir, capsys):
+    path = write(tmp_path, BASE)
+    for opt in ("--force", "--only"):
+        code, err = run_cli(["bloom-imdb", "--config", str(path), opt, "trian"], capsys)
+        assert code == 2 and f"{opt} trian: unknown stage; stages are data, tokenize" in err
+    assert not store_dir.exists()
+
+
+def test_flow_entry_point_rejects_bad_set_before_prefect_starts(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "FINETUNE_STORE": str(tmp_path / "store"),
+           "PREFECT_HOME": str(tmp_path / "prefect"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "flows.bloom_imdb", "--set", "train.gradient_accumulation_steps=0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: --set train.gradient_accumulation_steps: must be >= 1, got 0")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "prefect").exists()
+
+
+def test_shipped_pipelines_validate_with_article_settings():
+    names = pipeline_names()
+    for required in ("bloom-imdb", "bloom-imdb-no-accum", "qlora-t5-billsum", "demo", "tiny-imdb", "tiny-billsum"):
+        assert required in names
+    for name in names:
+        load_pipeline(name)
+    bloom = load_pipeline("bloom-imdb")
+    assert (bloom.model.name, bloom.model.num_labels, bloom.adapters.method) == ("bigscience/bloom-560m", 2, "full")
+    assert (bloom.train.micro_batch_size, bloom.train.gradient_accumulation_steps) == (1, 16)
+    assert (bloom.train.optimizer, bloom.train.lr, bloom.train.epochs, bloom.train.seed) == ("adam", 5e-5, 1, 123)
+    sp = bloom.data.split
+    assert (sp.mode, sp.seed, sp.train, sp.validation, sp.test) == ("shuffle_concat", 1, 35000, 5000, 10000)
+    assert bloom.tokenize.max_length == 1024
+    assert load_pipeline("bloom-imdb-no-accum").train.gradient_accumulation_steps == 1
+    t5 = load_pipeline("qlora-t5-billsum")
+    q, a, t = t5.quantization, t5.adapters, t5.train
+    assert (t5.model.name, q.mode, q.quant_type, q.double_quant) == ("t5-3b", "4bit", "nf4", True)
+    assert (a.method, a.r, a.alpha, a.dropout, a.target_modules, a.modules_to_save) == (
+        "lora", 32, 16, 0.05, ["v", "o"], ["lm_head"])
+    assert (t5.tokenize.prefix, t5.tokenize.max_length, t5.tokenize.max_target_length) == ("summarize: ", 1024, 128)
+    assert (t.optimizer, t.micro_batch_size, t.lr, t.weight_decay, t.epochs) == ("paged_adamw_8bit", 4, 2e-5, 0.01, 4)
+
+
+def test_set_overrides_apply_and_parse_yaml_values():
+    cfg = load_pipeline("bloom-imdb", ["train.lr=1e-4", "evaluate.splits=[test]", "data.subset={train: 8}"])
+    assert cfg.train.lr == 1e-4 and cfg.evaluate.splits == ["test"] and cfg.data.subset == {"train": 8}
+    assert load_pipeline("bloom-imdb", {"train.lr": "2e-4"}).train.lr == 2e-4  # deployment-style dict

