@@ -6,7 +6,11 @@
       (`train_sampling_strategy='group_by_length'`, transformers 5's spelling of group_by_length),
       micro-batch 8 x accumulation 2;
   (c) this project's train stage core (`stages.train.train_model`): length-grouped effective batches,
-      dynamic padding per micro-batch, micro-batch 8 x accumulation 2.
+      dynamic padding per micro-batch, micro-batch 8 x accumulation 2;
+  (d) a bare PyTorch loop over the stage's own batches (the same effective batches and micro-batches as
+      (c), collated before the clock starts): forward, backward, step - nothing else. (c)/(d) is what the
+      stage's loop costs on top of the arithmetic: collation, loss bookkeeping, metrics.jsonl, TensorBoard,
+      the progress bar, the log line.
 
 All three train the same model, from the same weights, AdamW lr 5e-5, effective batch 16, in the same precision
 (fp32 on CPU; bf16 autocast on a GPU: the articles' 16-bit mixed precision, the stage's `auto`),
@@ -16,8 +20,17 @@ trains one epoch over the r-th slice of `--subset` reviews of those 512, the sam
 loop is timed (no setup, no saving). Variants are interleaved within each run so machine noise spreads
 over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b).
 
+The second table compares (c) and (d) in steady state: the time from the end of optimizer step 1 to the
+end of the last step (so the first step's warm-up is out of both), over the real tokens of steps 2..N;
+for (c) this includes every bit of per-step bookkeeping, except the end-of-run resume checkpoint
+(checkpoint writes are resume safety, timed and subtracted; `train.checkpoint_every` sets how often).
+It is shown in wall-clock time and in the process's CPU time (all its threads: TensorBoard's writer
+too); on a machine shared with other jobs the CPU time is the steadier of the two, since it does not
+count the time spent waiting for a core.
+
     .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~12 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
+    .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, ~4 min
     bash bench/gpu.sh                                          # on a GPU machine (see that script)
 
 Why the ratio to (a) is capped near 2x on a CPU: a CPU core does the same work per computed token at
@@ -174,17 +187,87 @@ def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.
 
 # ---------------------------------------------------------------- (c) this stage
 
-def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
-    from stages.train import train_model
+def stage_config() -> TrainConfig:
+    return TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, optimizer="adamw_torch",
+                       lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6,
+                       mixed_precision="auto")  # bf16 on a GPU, fp32 on CPU
 
+
+def stage_rows(tok, texts, labels) -> list[dict]:
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH)
-    rows = [{"input_ids": ids, "labels": y, "length": len(ids)} for ids, y in zip(enc["input_ids"], labels, strict=True)]
-    cfg = TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, optimizer="adamw_torch",
-                      lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6,
-                      mixed_precision="auto")  # bf16 on a GPU, fp32 on CPU
-    log = logging.getLogger("bench.train")
-    m = train_model(make_model(), rows, None, cfg, "seq_cls", tok.pad_token_id, workdir / "out", workdir / "work", log)
-    return {"real": m["real_tokens"], "computed": m["padded_tokens"], "seconds": m["train_seconds"]}
+    return [{"input_ids": ids, "labels": y, "length": len(ids)} for ids, y in zip(enc["input_ids"], labels, strict=True)]
+
+
+def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
+    import stages.train as train_stage
+
+    rows = stage_rows(tok, texts, labels)
+    ends: list[tuple[float, float]] = []  # (wall, CPU) clocks at the end of each optimizer step (the stage syncs)
+    saving = [0.0, 0.0]  # wall and CPU seconds spent writing resume checkpoints (one at the last step)
+    real_save = train_stage.save_checkpoint
+
+    def timed_save(*a, **kw):
+        t = clocks()
+        try:
+            return real_save(*a, **kw)
+        finally:
+            saving[0] += clocks()[0] - t[0]
+            saving[1] += clocks()[1] - t[1]
+
+    train_stage.save_checkpoint = timed_save
+    try:
+        m = train_stage.train_model(make_model(), rows, None, stage_config(), "seq_cls", tok.pad_token_id,
+                                    workdir / "out", workdir / "work", logging.getLogger("bench.train"),
+                                    on_step=lambda step, loss: ends.append(clocks()))
+    finally:
+        train_stage.save_checkpoint = real_save
+    recs = [json.loads(x) for x in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r["real_tokens"] for r in recs if r["kind"] == "train"]
+    return {"real": m["real_tokens"], "computed": m["padded_tokens"], "seconds": m["train_seconds"],
+            "steady_real": sum(per_step[1:]), "steady_seconds": ends[-1][0] - ends[0][0] - saving[0],
+            "steady_cpu_seconds": ends[-1][1] - ends[0][1] - saving[1]}
+
+
+def clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+# ---------------------------------------------------------------- (d) bare loop over the stage's batches
+
+def run_bare(make_model, tok, texts, labels, device: torch.device) -> dict:
+    import torch.nn.functional as F
+
+    from stages.common.batching import epoch_batches
+    from stages.common.splits import Rows
+
+    cfg = stage_config()
+    rows = Rows(stage_rows(tok, texts, labels))
+    effective = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    plan = epoch_batches(rows.lengths, effective, cfg.seed, 0, cfg.group_by_length)
+    steps = [[mb.to(device) for mb in rows.batches(idx, cfg.micro_batch_size, tok.pad_token_id, "seq_cls")]
+             for idx in plan]  # the stage's micro-batches, collated before the clock starts
+    model = make_model().to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    ends: list[tuple[float, float]] = []
+    synchronize(device)
+    t0 = time.perf_counter()
+    for k, micro in enumerate(steps):
+        rows_in_step = sum(len(mb) for mb in micro)
+        for mb in micro:
+            with autocast:
+                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+            (F.cross_entropy(logits.float(), mb.labels, reduction="sum") / rows_in_step).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if k in (0, len(steps) - 1):  # only the two ends of the steady-state window wait for the device
+            synchronize(device)
+            ends.append(clocks())
+    per_step = [sum(mb.real_tokens for mb in micro) for micro in steps]
+    return {"real": sum(per_step), "computed": sum(mb.padded_tokens for micro in steps for mb in micro),
+            "seconds": ends[-1][0] - t0, "steady_real": sum(per_step[1:]), "steady_seconds": ends[-1][0] - ends[0][0],
+            "steady_cpu_seconds": ends[-1][1] - ends[0][1]}
 
 
 # ---------------------------------------------------------------- main
@@ -201,6 +284,7 @@ def main() -> None:
     ap.add_argument("--reviews", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (1: steadier when other jobs share the cores)")
+    ap.add_argument("--variants", default="abcd", help="which variants to run, e.g. cd (the loop's overhead only)")
     ap.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the train stage chooses
@@ -223,7 +307,10 @@ def main() -> None:
             lambda d, t, y: run_hf_trainer(make_model, tok, t, y, d, device),
         "(c) this stage: grouped + dynamic padding, 8 x 2":
             lambda d, t, y: run_stage(make_model, tok, t, y, d, device),
+        "(d) bare loop over the stage's batches: forward, backward, step":
+            lambda d, t, y: run_bare(make_model, tok, t, y, device),
     }
+    variants = {k: v for k, v in variants.items() if k[1] in args.variants}
     results: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(args.runs):
         lo = (r * args.subset) % len(texts)
@@ -239,18 +326,37 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items()}
-    a, b, _ = med.values()
+    a, b = (next((m for k, m in med.items() if k.startswith(f"({v})")), None) for v in "ab")
+
+    def vs(x: float, base: float | None) -> str:
+        return f"{x / base:>5.2f}x" if base else f"{'-':>6}"
+
     print()
     print(f"| {'variant':<66} | real tok/s (median) | computed tok/s | padding share | vs (a) | vs (b) |")
     print(f"|{'-' * 68}|--------------------:|---------------:|--------------:|-------:|-------:|")
     for k, v in results.items():
         pad = statistics.median(1 - x["real"] / x["computed"] for x in v)
         comp = statistics.median(x["computed"] / x["seconds"] for x in v)
-        print(f"| {k:<66} | {med[k]:>19.0f} | {comp:>14.0f} | {pad:>13.1%} | {med[k] / a:>5.2f}x | "
-              f"{med[k] / b:>5.2f}x |")
+        print(f"| {k:<66} | {med[k]:>19.0f} | {comp:>14.0f} | {pad:>13.1%} | {vs(med[k], a)} | {vs(med[k], b)} |")
+    steady, ratios = {}, {}
+    c_runs = next((v for k, v in results.items() if k.startswith("(c)")), None)
+    d_runs = next((v for k, v in results.items() if k.startswith("(d)")), None)
+    if c_runs and d_runs:
+        print()
+        print("(c) vs (d) in steady state, steps 2..N: every per-step cost of (c) counted, checkpoint writes excluded")
+        print("| clock | (c) stage tok/s | (d) bare loop tok/s | (c)/(d) of the medians | (c)/(d) per run |")
+        print("|-------|----------------:|--------------------:|-----------------------:|:----------------|")
+        for clock, key in (("wall", "steady_seconds"), ("CPU", "steady_cpu_seconds")):
+            c = [x["steady_real"] / x[key] for x in c_runs]
+            d = [x["steady_real"] / x[key] for x in d_runs]
+            steady[clock] = {"c": statistics.median(c), "d": statistics.median(d)}
+            ratios[clock] = [ci / di for ci, di in zip(c, d, strict=True)]
+            print(f"| {clock:<5} | {steady[clock]['c']:>15.0f} | {steady[clock]['d']:>19.0f} | "
+                  f"{steady[clock]['c'] / steady[clock]['d']:>22.3f} | {', '.join(f'{r:.3f}' for r in ratios[clock])} |")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results,
-                                         "median_real_tok_s": med}, indent=1))
+                                         "median_real_tok_s": med, "steady_real_tok_s": steady,
+                                         "steady_c_over_d": ratios}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@
     python -m flows.inspect show PIPELINE STAGE       the stage's manifest (JSON)
     python -m flows.inspect path PIPELINE STAGE       the stage's artifact folder
     python -m flows.inspect gc [--force] [--keep-refs] [--json]
+    python -m flows.inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
+    python -m flows.inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
 
 `status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
 config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
 Exit codes: status 0 when every stage is cached, 1 when one is stale or missing; show/path 1 when the
 stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the artifacts no pipeline's
-current keys reach (dry run) and removes them with --force.
+current keys reach (dry run) and removes them with --force. `compare` ranks a sweep's variants from the
+store (flows/compare.py; exit 1 while a run has no results for the current code); `diff` says which stages
+two configs share, which differ and why, and their params and metrics side by side (exit 1 when a stage
+differs).
 """
 
 from __future__ import annotations
@@ -21,26 +26,19 @@ from datetime import datetime
 from pathlib import Path
 
 import flows  # noqa: F401  (project defaults only; this module never imports prefect)
+from flows import compare, diff
+from flows.sweep import add_adhoc_args, resolve
 from stages.common.fit import estimate_pipeline, format_estimate
-from stages.common.memory import free_memory, gib
+from stages.common.memory import free_memory
 from stages.engine.cli import guarded
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.errors import ConfigError
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import CACHED, MISSING, StageStatus, find
 from stages.engine.store import Store
+from stages.engine.units import human_bytes
 from stages.graph import gc, pipeline_status
-
-
-def human_size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"
 
 
 def human_time(iso: str | None) -> str:
@@ -69,7 +67,7 @@ def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> s
     for s in statuses:
         key = s.key[:12] if s.status != "stale" else f"{s.key[:12]} (have {(s.artifact_key or '')[:12]})"
         metrics = " ".join(f"{k}={fmt_value(v)}" for k, v in s.metrics.items())
-        rows.append([s.stage, s.status, key, human_size(s.size_bytes), human_time(s.created), metrics])
+        rows.append([s.stage, s.status, key, human_bytes(s.size_bytes), human_time(s.created), metrics])
         if s.reasons and s.status != CACHED:
             notes[len(rows) - 1] = s.reasons
     table = render_table(rows).splitlines()
@@ -112,6 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
                         "(no weights are loaded)")
     pipeline_args(me, stage=False)
+    co = sub.add_parser("compare", help="a sweep's variants side by side, ranked by its metric (`--sweep NAME`, "
+                        "or PIPELINE --grid ...)")
+    co.add_argument("pipeline", nargs="?", help="an ad-hoc sweep's pipeline (with --grid)")
+    co.add_argument("--sweep", help="a sweep of pipeline.yaml (sweeps:)")
+    add_adhoc_args(co)
+    fmt = co.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output (variants and their runs)")
+    fmt.add_argument("--csv", action="store_true", help="one CSV line per run (variant x seed)")
+    di = sub.add_parser("diff", help="two configs: shared and differing stages and why, params, metrics")
+    di.add_argument("a", help="pipeline A")
+    di.add_argument("b", nargs="?", help="pipeline B (default: A)")
+    di.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of B, e.g. --set train.lr=1e-4 (repeatable)")
+    di.add_argument("--set-a", dest="overrides_a", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of A (repeatable)")
+    di.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    di.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
@@ -122,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         if args.command == "gc":
             return cmd_gc(args, store)
+        if args.command == "compare":
+            return cmd_compare(args, store)
+        if args.command == "diff":
+            return cmd_diff(args, store)
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
         if args.command == "memory":
             return cmd_memory(cfg)
@@ -156,8 +175,32 @@ def cmd_memory(cfg: PipelineConfig) -> int:
     print(f"pipeline {cfg.name}: {cfg.model.name}, quantization {cfg.quantization.mode}, "
           f"adapters {cfg.adapters.method}")
     print(format_estimate(est))
-    print(f"  free on {device}: {gib(free)} -> {'fits' if est.total <= free else 'does NOT fit'}")
+    print(f"  free on {device}: {human_bytes(free)} -> {'fits' if est.total <= free else 'does NOT fit'}")
     return 0
+
+
+def cmd_compare(args: argparse.Namespace, store: Store) -> int:
+    """Exit 0 when every run of the sweep has results for the current code, 1 otherwise."""
+    if bool(args.sweep) == bool(args.pipeline):
+        raise ConfigError("compare: give --sweep NAME, or PIPELINE --grid KEY=V1,V2 (an ad-hoc sweep)")
+    if args.sweep and (args.grid or args.seeds):
+        raise ConfigError("compare --sweep NAME takes its variants from pipeline.yaml; drop --grid/--seeds")
+    if args.pipeline and not (args.grid or args.seeds):
+        raise ConfigError(f"compare {args.pipeline}: give --grid KEY=V1,V2 (or --sweep NAME)")
+    sw = resolve(args, args.sweep or args.pipeline)
+    c = compare.compare(sw, store)
+    print(json.dumps(c.to_json(), indent=2, default=str) if args.json else
+          compare.runs_csv(c).rstrip() if args.csv else compare.render(c))
+    return 0 if all(v.status() == compare.DONE for v in c.variants) else 1
+
+
+def cmd_diff(args: argparse.Namespace, store: Store) -> int:
+    """Exit 0 when every stage is shared, 1 when some differ."""
+    a = load_pipeline(args.a, args.overrides_a, args.config)
+    b = load_pipeline(args.b or args.a, args.overrides, args.config)
+    d = diff.diff(a, b, store)
+    print(json.dumps(d, indent=2, default=str) if args.json else diff.render_diff(d))
+    return 0 if all(s["shared"] for s in d["stages"]) else 1
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
@@ -173,13 +216,13 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
     for g in garbage:
         result = ("removed" if g.removed else g.note) if args.force else ""
-        rows.append([g.kind, g.stage, g.key[:12], human_size(g.size_bytes), result])
+        rows.append([g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes), result])
     print(render_table(rows))
     if args.force:
         freed = sum(g.size_bytes for g in garbage if g.removed)
-        print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_size(freed)} freed")
+        print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
     else:
-        print(f"{len(garbage)} unreachable, {human_size(total)}; dry run: nothing removed "
+        print(f"{len(garbage)} unreachable, {human_bytes(total)}; dry run: nothing removed "
               f"(python -m flows.inspect gc --force to remove)")
     return 0
 

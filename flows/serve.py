@@ -1,5 +1,6 @@
 """Serve the `finetune` flow on a Prefect server: one deployment per pipeline of pipeline.yaml, named
-`finetune/<pipeline>`, whose runs execute in this process's machine (one at a time: one GPU).
+`finetune/<pipeline>`, whose runs execute in this process's machine (one at a time: one GPU); and the
+`sweep` flow, one deployment per sweep of the file, `sweep/<name>`.
 
     prefect server start --host 127.0.0.1                   # 1. the API and UI: http://127.0.0.1:4200
     python -m flows.serve                                   # 2. this: registers and serves the deployments
@@ -20,8 +21,9 @@ import sys
 import time
 
 import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
+from flows.variants import sweep
 from stages.engine.cli import guarded
-from stages.engine.config import load_pipeline, pipeline_names, store_root
+from stages.engine.config import load_pipeline, pipeline_names, store_root, sweep_names
 from stages.engine.errors import ConfigError, FinetuneError
 
 DEFAULT_API_URL = "http://127.0.0.1:4200/api"
@@ -55,8 +57,9 @@ def deployments(names: list[str]):
 
     from flows.flow import finetune
 
-    out = []
-    for name in names:
+    sweeps = set(sweep_names())
+    out = sweep_deployments([n for n in names if n in sweeps])
+    for name in [n for n in names if n not in sweeps]:
         cfg = load_pipeline(name)  # a broken pipeline fails here, before serving anything
         out.append(finetune.to_deployment(
             name=name,
@@ -68,10 +71,32 @@ def deployments(names: list[str]):
     return out
 
 
+def sweep_deployments(names: list[str]):
+    """One RunnerDeployment per sweep of pipeline.yaml, `sweep/<name>` (flows/sweep_flow.py); its child runs
+    execute beside it, or with `-p on_workers=true` as runs of the `finetune/<pipeline>` deployment, which a
+    work pool's workers pick up."""
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.sweep_flow import run_sweep
+
+    out = []
+    for name in names:
+        sw = sweep(name)  # a broken sweep (or one of its variants) fails here, before serving anything
+        out.append(run_sweep.to_deployment(
+            name=name,
+            parameters={"name": name},
+            description=sw.config.description or f"the {name} sweep of pipeline.yaml",
+            tags=["sweep", name],
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        ))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flows.serve", description="Serve one `finetune/<pipeline>` "
                                 "deployment per pipeline of pipeline.yaml on a Prefect server.")
-    p.add_argument("pipelines", nargs="*", help="pipelines to serve (default: every pipeline in the file)")
+    p.add_argument("pipelines", nargs="*", help="pipelines (and sweeps) to serve (default: every pipeline and "
+                   "sweep in the file)")
     p.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: one GPU)")
     p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
                    help="how long to wait for the Prefect server to answer (default 10)")
@@ -80,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> int:
-        available = pipeline_names()  # the flow reads pipeline.yaml itself
+        available = pipeline_names() + sweep_names()  # the flows read pipeline.yaml themselves
         unknown = [n for n in args.pipelines if n not in available]
         if unknown:
             raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")

@@ -27,17 +27,10 @@ from stages.engine.config import store_root
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, Store
+from stages.engine.units import human_bytes
 from stages.graph import load_args, plan, run_pipeline
 
 NOT_CACHED = 3
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def stage_rows(cfg: PipelineConfig, store: Store) -> list[dict[str, Any]]:

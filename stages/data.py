@@ -5,27 +5,39 @@ Sources are tried in this order: a local `data.path`; the offline mirror ($FINET
 The IMDB `shuffle_concat` split is the BLOOM article's: the 50k rows in aclImdb order (test/pos,
 test/neg, train/pos, train/neg, sorted file names), `sample(frac=1, random_state=seed)`, then
 train / validation / test cut by counts.
+
+Labels (seq_cls): integer ids, or names (strings) that map to ids by `data.label_names`, which
+`resolve_labels` fills in before any key is computed when the pipeline leaves it null (IMDB and aclImdb:
+neg/pos; a string column: its sorted distinct names), with `model.num_labels` when that is null too.
+The manifest records the names.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import os
+import shutil
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from stages.common.arrow import write_arrow
-from stages.common.hub import ensure_hub_reachable
+from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.engine.config import PROJECT_ROOT
-from stages.engine.errors import DataError, MissingInputError
+from stages.engine.errors import ConfigError, DataError, MissingInputError
+from stages.engine.parallel import map_chunks, n_jobs
 from stages.engine.schema import PipelineConfig
 
 SPLITS = ("train", "validation", "test")
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
+IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
+PARALLEL_MIN_FILES = 2000  # fewer review files are read serially (starting workers costs more)
 
 
 # ------------------------------------------------------------------ where the data comes from
@@ -69,6 +81,14 @@ def source_files(cfg: PipelineConfig) -> list[Path]:
     return mirror_files(cfg.data)
 
 
+def source_deps(cfg: PipelineConfig) -> dict[str, str]:
+    """The hub dataset the data stage will download, pinned to its commit, when no local file or mirror
+    serves the data."""
+    if cfg.data.source == "local" or cfg.data.path or mirror_files(cfg.data):
+        return {}
+    return hub_identity(cfg.data.hub_id or HUB_IDS[cfg.data.source], cfg.data.hub_revision, "dataset")
+
+
 def _read_table(path: Path) -> pd.DataFrame:
     name = path.name.lower()
     if name.endswith((".csv", ".csv.gz")):
@@ -91,29 +111,82 @@ def _split_of(name: str) -> str | None:
     return None
 
 
-def _read_acl_folder(root: Path) -> dict[str, pd.DataFrame]:
-    frames = {}
+def read_texts(paths: Sequence[Path]) -> list[str]:
+    return [Path(f).read_text(encoding="utf-8") for f in paths]
+
+
+def _read_acl_folder(root: Path, jobs: int | None = None) -> dict[str, pd.DataFrame]:
+    """The 50k review files, read by joblib threads (file reads release the GIL), in aclImdb order."""
+    listing: list[tuple[str, int, Path]] = []
     for split in ("test", "train"):
-        rows = []
         for label_name, label in (("pos", 1), ("neg", 0)):
             folder = root / split / label_name
             if not folder.is_dir():
                 raise MissingInputError(f"{root}: aclImdb folder lacks {split}/{label_name}; point data.path at "
                                         f"the extracted aclImdb folder")
-            for f in sorted(os.listdir(folder)):
-                rows.append((f"{split}/{label_name}/{f}", (folder / f).read_text(encoding="utf-8"), label))
+            listing += [(f"{split}/{label_name}/{f}", label, folder / f) for f in sorted(os.listdir(folder))]
+    texts = map_chunks(read_texts, [p for _, _, p in listing], jobs=jobs, min_items=PARALLEL_MIN_FILES,
+                       prefer="threads")
+    frames = {}
+    for split in ("test", "train"):
+        rows = [(i, t, label) for (i, label, _), t in zip(listing, texts, strict=True) if i.startswith(split + "/")]
         frames[split] = pd.DataFrame(rows, columns=["id", "text", "label"])
     return frames
 
 
-def _read_acl_tarball(path: Path) -> dict[str, pd.DataFrame]:
-    texts: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    with tarfile.open(path) as tar:
+def _acl_members(stream: Any) -> list[tuple[str, str, str, str]]:
+    """(split, pos|neg, file name, text) of every aclImdb/{train,test}/{pos,neg}/*.txt member of an
+    uncompressed tar stream, read front to back."""
+    out = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
         for m in tar:
             parts = m.name.split("/")
             if m.isfile() and len(parts) == 4 and parts[1] in ("train", "test") and parts[2] in ("pos", "neg"):
                 data = tar.extractfile(m).read().decode("utf-8")  # type: ignore[union-attr]
-                texts.setdefault((parts[1], parts[2]), []).append((parts[3], data))
+                out.append((parts[1], parts[2], parts[3], data))
+    return out
+
+
+def _gunzip_into(path: Path, fd: int) -> None:
+    with gzip.open(path) as src, os.fdopen(fd, "wb", buffering=1 << 20) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _read_tar_members(path: Path, jobs: int | None = None) -> list[tuple[str, str, str, str]]:
+    """A gzipped tarball is decompressed by one joblib thread (zlib releases the GIL) while another walks
+    the tar stream; the members come out in the same order as a serial read."""
+    gzipped = _is_gzip(path)
+    if not gzipped or n_jobs(jobs) == 1:
+        with (gzip.open(path) if gzipped else open(path, "rb")) as f:
+            return _acl_members(f)
+    from joblib import Parallel, delayed
+
+    r, w = os.pipe()
+    reader = os.fdopen(r, "rb", buffering=1 << 20)
+
+    def walk() -> list[tuple[str, str, str, str]]:
+        try:
+            members = _acl_members(reader)
+            while reader.read(1 << 20):  # the tar's end padding: the other thread writes until the gzip ends
+                pass
+            return members
+        finally:
+            reader.close()  # a failed walk stops the decompressing thread (broken pipe) instead of blocking it
+
+    # a failure of either thread is raised here: a corrupt gzip never passes for a shorter tar
+    _, members = Parallel(n_jobs=2, prefer="threads")([delayed(_gunzip_into)(path, w), delayed(walk)()])
+    return members
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _read_acl_tarball(path: Path, jobs: int | None = None) -> dict[str, pd.DataFrame]:
+    texts: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for split, label_name, name, text in _read_tar_members(path, jobs):
+        texts.setdefault((split, label_name), []).append((name, text))
     frames = {}
     for split in ("test", "train"):
         rows = []
@@ -173,6 +246,94 @@ def load_source(cfg: Any) -> tuple[dict[str, pd.DataFrame], str]:
     return _read_hub(cfg), f"hub:{cfg.data.hub_id or HUB_IDS[cfg.data.source]}"
 
 
+# ------------------------------------------------------------------ labels
+
+
+def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split: str) -> Any:
+    """Class ids of a label column: integer ids as they are, names by their position in `names`."""
+    ids = pd.to_numeric(values, errors="coerce")
+    if names is not None and (ids.isna() | (ids % 1 != 0)).any():  # names: id = position in data.label_names
+        ids = values.astype(str).map({n: i for i, n in enumerate(names)})
+        if ids.isna().any():
+            first = values[ids.isna()].tolist()[0]
+            raise DataError(f"{split} split: {int(ids.isna().sum())} label(s) not in data.label_names {names} "
+                            f"(first: {first!r}); add them to data.label_names (or leave it null to take the "
+                            f"names from the data) or fix the data")
+        return ids.astype("int64").to_numpy()
+    bad = ids.isna() | (ids < 0) | (ids >= num_labels) | (ids % 1 != 0)
+    if bad.any():
+        first = values[bad].tolist()[0]
+        raise DataError(f"{split} split: {int(bad.sum())} label(s) outside 0..{num_labels - 1} (first: {first!r}); "
+                        f"fix the data or set model.num_labels")
+    return ids.astype("int64").to_numpy()
+
+
+@functools.lru_cache(maxsize=32)
+def _label_column(path: str, column: str, size: int, mtime_ns: int) -> tuple[tuple[str, ...], int | None]:
+    """(the distinct labels of one file as text, sorted; its largest id, or None when a label is not an
+    integer). Cached per file version: plans run often, the column is read once."""
+    p = Path(path)
+    name = p.name.lower()
+    try:
+        if name.endswith((".csv", ".csv.gz")):
+            values = pd.read_csv(p, usecols=[column], keep_default_na=False)[column]
+        elif name.endswith(".parquet"):
+            values = pd.read_parquet(p, columns=[column])[column]
+        else:
+            values = _read_table(p)[column]
+    except (KeyError, ValueError):  # no such column: the data stage says so, naming the columns
+        return (), None
+    ids = pd.to_numeric(values, errors="coerce")
+    integer = len(values) > 0 and not (ids.isna() | (ids % 1 != 0)).any()
+    return tuple(sorted({str(v) for v in values})), (int(ids.max()) if integer else None)
+
+
+def found_labels(cfg: Any) -> tuple[list[str] | None, int | None]:
+    """(names, largest integer id) of the labels the data stage will read, without running it: IMDB and
+    aclImdb name theirs neg/pos; local files are read (their label column only, when the format allows).
+    Names when any label is not an integer id (then every label is a name), else the largest id."""
+    d = cfg.data
+    if not (d.source == "local" or d.path):
+        return (list(IMDB_LABEL_NAMES), 1) if d.source == "imdb" else (None, None)
+    path = local_path(d.path)
+    if (path.is_dir() and (path / "train" / "pos").is_dir()) or path.name.endswith((".tar.gz", ".tgz", ".tar")):
+        return list(IMDB_LABEL_NAMES), 1
+    files = [path] if path.is_file() else [f for f in sorted(path.iterdir())
+                                           if f.name.lower().endswith(TABULAR) and _split_of(f.name)]
+    found = [_label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    found = [(values, top) for values, top in found if values]
+    if any(top is None for _, top in found):
+        return sorted({v for values, _ in found for v in values}), None
+    return None, max((top for _, top in found if top is not None), default=None)
+
+
+def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
+    """seq_cls: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
+    labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
+    they use. A count that contradicts the names is a ConfigError naming both."""
+    if cfg.model.task != "seq_cls":
+        return cfg
+    names, n = cfg.data.label_names, cfg.model.num_labels
+    if names is None:
+        names, top = found_labels(cfg)
+        if n is None:
+            n = len(names) if names else (max(top + 1, 2) if top is not None else None)
+    elif n is None:
+        n = len(names)
+    if n is None:
+        raise ConfigError(f"model.num_labels: cannot be inferred for data.source {cfg.data.source}; set "
+                          f"model.num_labels, or name the classes in data.label_names")
+    if names is not None and len(names) != n:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ConfigError(f"model.num_labels is {n} but the labels of data.label_column "
+                          f"'{cfg.data.label_column}' are {len(names)} names ({shown}); leave model.num_labels "
+                          f"out (null) to infer it, set data.label_names, or fix data.label_column")
+    if names == cfg.data.label_names and n == cfg.model.num_labels:
+        return cfg
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"label_names": names}),
+                                  "model": cfg.model.model_copy(update={"num_labels": n})})
+
+
 # ------------------------------------------------------------------ shaping
 
 
@@ -196,13 +357,7 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFra
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
         cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
         if task == "seq_cls":
-            labels = pd.to_numeric(df[d.label_column], errors="coerce")
-            bad = labels.isna() | (labels < 0) | (labels >= cfg.model.num_labels) | (labels % 1 != 0)
-            if bad.any():
-                first = df[d.label_column][bad].iloc[0]
-                raise DataError(f"{split} split: {int(bad.sum())} label(s) outside 0..{cfg.model.num_labels - 1} "
-                                f"(first: {first!r}); fix the data or set model.num_labels")
-            cols["label"] = labels.astype("int64").to_numpy()
+            cols["label"] = label_ids(df[d.label_column], d.label_names, cfg.model.num_labels, split)
         if target_col and target_col in df.columns:
             cols["target"] = df[target_col].astype(str).to_numpy()
         out[split] = pd.DataFrame(cols)
@@ -262,5 +417,7 @@ def run(ctx: Any) -> dict[str, Any]:
         if "label" in df:
             stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
                                                      df["label"].value_counts().sort_index().items()}
+    if cfg.model.task == "seq_cls" and cfg.data.label_names:
+        stats["label_names"] = list(cfg.data.label_names)
     ctx.log.info("data: %s rows from %s", stats["rows"], origin)
     return stats

@@ -2,15 +2,19 @@
 
     classification (seq_cls)  logits -> argmax: accuracy, macro-F1, confusion matrix [true][predicted]
     summarisation (seq2seq)   batched generation (greedy or beams, max_new_tokens, length_penalty from
-                              the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming (stages.common.metrics)
+                              the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
+
+The scores come from the `evaluate` modules `evaluate.metrics` names (default: the task's; the project's
+offline accuracy / f1 / rouge modules, stages/common/metrics.py); the confusion matrix is computed here.
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
 labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch),
 as batching.split_micro cuts them; predictions are written in split order.
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
-prediction, reference). The `evaluate` section is its own config section, so changing it reruns only
+prediction, reference; a classifier's as class names when the data names them, with prediction_id and
+reference_id). The `evaluate` section is its own config section, so changing it reruns only
 this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
 """
 
@@ -26,10 +30,16 @@ from tqdm.auto import tqdm
 from stages.common import metrics
 from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX, collate, split_micro
-from stages.common.hf import special_affixes
+from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
 from stages.engine.errors import MissingInputError
+from stages.engine.schema import PipelineConfig
+
+
+def metric_files(cfg: PipelineConfig) -> list[Path]:
+    """The stage's input files: the `evaluate` modules it loads by path (a wrong metric fails here, at plan)."""
+    return metrics.module_files(metrics.metric_names(cfg.evaluate.metrics, cfg.model.task))
 
 
 def exact_cpu_kernels(model: torch.nn.Module) -> None:
@@ -161,9 +171,17 @@ def references(data_dir: Path, split: str, ids: list[str]) -> list[str] | None:
     return table.column("target").to_pylist()[:len(ids)]
 
 
+def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
+                      names: list[str] | None) -> dict[str, Any]:
+    """One line of predictions.jsonl; a classifier's ids become class names when the data names them."""
+    if names is None:
+        return {"split": split, "id": row_id, "prediction": prediction, "reference": reference}
+    return {"split": split, "id": row_id, "prediction": names[prediction], "reference": names[reference],
+            "prediction_id": prediction, "reference_id": reference}
+
+
 def run(ctx: Any) -> dict[str, Any]:
     import datasets
-    from transformers import AutoTokenizer
 
     e, task = ctx.cfg.evaluate, ctx.cfg.model.task
     tok_dir = ctx.upstream["tokenize"]
@@ -172,12 +190,12 @@ def run(ctx: Any) -> dict[str, Any]:
     if missing:
         raise MissingInputError(f"evaluate.splits {missing}: the data has no such split (it has "
                                 f"{', '.join(ds)}); set evaluate.splits to some of those")
-    tok = AutoTokenizer.from_pretrained(str(tok_dir / "tokenizer"))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token or tok.unk_token
+    tok = load_tokenizer(tok_dir / "tokenizer")
     model = load_evaluated(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
     device = device_for(model)
     gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
+    scores = metrics.metric_names(e.metrics, task)
+    names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
     results: dict[str, Any] = {}
     with open(ctx.out_dir / "predictions.jsonl", "w") as out:
@@ -192,7 +210,7 @@ def run(ctx: Any) -> dict[str, Any]:
                 refs = [int(x) for x in rows["labels"]]
                 preds: list[Any] = classify(model, rows, tok.pad_token_id, e.batch_size, device, desc)
                 num_labels = int(model.config.num_labels)
-                results[split] = metrics.classification_metrics(preds, refs, num_labels)
+                results[split] = metrics.classification_metrics(preds, refs, num_labels, scores)
             else:
                 refs = references(ctx.upstream["data"], split, ids)
                 if refs is None and task == "causal_lm":  # plain language modelling: no targets to compare
@@ -205,16 +223,18 @@ def run(ctx: Any) -> dict[str, Any]:
                 prompts = rows["input_ids"] if task == "seq2seq" else [
                     prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
                 preds, counts = generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm", desc)
-                results[split] = {"examples": len(ids), **metrics.rouge(preds, refs),
+                results[split] = {"examples": len(ids), **metrics.compute(scores, preds, refs),
                                   "generated_tokens_mean": sum(counts) / max(len(counts), 1),
                                   "generated_tokens_max": max(counts, default=0)}
             for i, p, r in zip(ids, preds, refs, strict=True):
-                out.write(json.dumps({"split": split, "id": i, "prediction": p, "reference": r}) + "\n")
+                out.write(json.dumps(prediction_record(split, i, p, r, names)) + "\n")
             shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
                      if k != "confusion_matrix"}
             ctx.log.info("evaluate %s: %s", split, shown)
             for i, p, r in list(zip(ids, preds, refs, strict=True))[:e.log_examples]:
-                ctx.log.info("  %s: predicted %r, reference %r", i, str(p)[:200], str(r)[:200])
+                rec = prediction_record(split, i, p, r, names)
+                ctx.log.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
+                             str(rec["reference"])[:200])
     (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    return {"task": task, "splits": results,
+    return {"task": task, "splits": results, **({"label_names": names} if names else {}),
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

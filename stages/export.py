@@ -130,6 +130,10 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     lines += [f"Task `{task}`, base model `{sections['model']['name']}`, adapters "
               f"`{sections['adapters']['method']}`, quantization `{sections['quantization']['mode']}`.", ""]
     lines += ["## Files", ""] + [f"- `{k}/`: {v}" for k, v in files.items()] + [""]
+    names = sections["data"].get("label_names") if task == "seq_cls" else None
+    if names:  # also the exported config's id2label / label2id
+        lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
+        lines += [""]
     lines += ["## Reproduce", "", "```bash", command(name, sets), "```", ""]
     lines += ["The `--set` options are the ones this run was given, on top of pipeline.yaml's `" + name + "` "
               "as it was then; `config.json` holds the exact values (with a changed pipeline.yaml, add its "

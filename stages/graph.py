@@ -14,10 +14,11 @@ from stages import adapters, data, model, tokenize, train
 from stages import evaluate as evaluate_stage
 from stages import export as export_stage
 from stages.common.fit import check_pipeline_fits
-from stages.common.hf import tokenizer_files
+from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
 from stages.common.models import input_files as model_input_files
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
+from stages.engine.remote_store import open_store
 from stages.engine.runner import Planned, Stage
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, Store
@@ -28,6 +29,8 @@ STAGES: list[Stage] = [
         body=data.run,
         reads=("data", "model.task", "model.num_labels"),
         inputs=data.source_files,
+        deps=data.source_deps,
+        resolve=data.resolve_labels,  # data.label_names / model.num_labels from the data when left null
         libraries=("pandas", "pyarrow", "datasets"),
     ),
     Stage(
@@ -37,14 +40,16 @@ STAGES: list[Stage] = [
                "model.trust_remote_code"),
         upstream=("data",),
         inputs=tokenizer_files,
+        deps=tokenizer_deps,
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
     ),
     Stage(
         name="model",
         body=model.run,
         precheck=check_pipeline_fits,  # stop before loading when training cannot fit
-        reads=("model", "quantization", "tokenize.tokenizer"),
+        reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         inputs=model_input_files,
+        deps=model_deps,
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
     ),
     Stage(
@@ -67,7 +72,8 @@ STAGES: list[Stage] = [
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
         reads=("evaluate", "model.task"),
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
-        libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "rouge_score"),
+        inputs=evaluate_stage.metric_files,  # the evaluate modules' files: loaded by path, not imported
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),
     Stage(
         name="export",
@@ -81,8 +87,9 @@ STAGES: list[Stage] = [
 ]
 
 
-def plan(cfg: PipelineConfig) -> list[Planned]:
-    return runner.plan(cfg, STAGES)
+def plan(cfg: PipelineConfig, store: Store | None = None) -> list[Planned]:
+    """Every stage's key; input files hashed through the store's memo (default: the configured store)."""
+    return runner.plan(cfg, STAGES, (store or open_store()).hashes())
 
 
 def stage_names() -> list[str]:

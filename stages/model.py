@@ -34,6 +34,7 @@ from stages.common.models import (
     meta_and_plan,
     quiet_transformers,
 )
+from stages.engine.units import human_bytes
 
 # ---------------------------------------------------------------- measuring
 
@@ -101,13 +102,17 @@ def run(ctx: Any) -> dict[str, Any]:
     quiet_transformers()
     m, q = ctx.cfg.model, ctx.cfg.quantization
     config = hf_config(m)
+    names = ctx.cfg.data.label_names if m.task == "seq_cls" else None
+    if names:  # the classes by name in the model's config, and so in every model exported from it
+        config.id2label = dict(enumerate(names))
+        config.label2id = {n: i for i, n in enumerate(names)}
     pad = _set_pad_token(ctx, config)
     meta, plan = meta_and_plan(m, q, config)
     cls = type(meta)
     est = memory.weights_estimate(meta, plan)
     del meta
     ctx.log.info("model: %s estimated %s weights + %s quantization constants before loading", m.name,
-                 memory.human(est.weights), memory.human(est.quant_constants))
+                 human_bytes(est.weights), human_bytes(est.quant_constants))
     if m.memory_check:
         memory.check_fits(est.weights + est.quant_constants, f"model {m.name} ({q.mode})")
 
@@ -146,8 +151,8 @@ def run(ctx: Any) -> dict[str, Any]:
 
     facts = describe(model)
     measured = facts["footprint_bytes"]
-    ctx.log.info("model: footprint estimated %s, measured %s (%+.1f%%); layers %s", memory.human(est.weights),
-                 memory.human(measured), 100 * (est.weights / measured - 1), facts["layers_by_type"])
+    ctx.log.info("model: footprint estimated %s, measured %s (%+.1f%%); layers %s", human_bytes(est.weights),
+                 human_bytes(measured), 100 * (est.weights / measured - 1), facts["layers_by_type"])
     return {
         **info, **facts,
         "pad_token_id": pad,

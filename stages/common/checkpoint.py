@@ -5,6 +5,8 @@ One checkpoint is a folder `step-000050/` holding
   state.pt                optimizer, scheduler, grad scaler and RNG states: tensors and plain python
                           containers only, so `torch.load(weights_only=True)` reads it (no pickled objects)
   progress.json           the TrainingProgress record (step, epoch, data position, micro-batch...)
+  best.safetensors        with train.select_best: the best evaluation's trainable weights so far (a hard
+                          link to the one file stages/common/health.py keeps, not a second copy)
 It is written as `.tmp-*` and renamed into place (progress.json last, then the rename), so a kill at
 any moment leaves either the whole checkpoint or none; only the last `keep` are kept.
 """
@@ -42,7 +44,14 @@ class TrainingProgress:
     padded_tokens: int = 0
     train_seconds: float = 0.0
     first_loss: float | None = None  # the run's first step loss (absent from older checkpoints: None)
-    history: list[dict[str, Any]] = field(default_factory=list)  # per-epoch validation results
+    history: list[dict[str, Any]] = field(default_factory=list)  # validation results, in order
+    # training health (stages/common/health.py); absent from older checkpoints: the defaults
+    best: dict[str, Any] | None = None  # {metric, mode, step, value} of the best evaluation so far
+    evals_since_best: int = 0  # evaluations without an improvement above early_stopping.min_delta
+    stopped: str | None = None  # why training ended before its planned steps (early stopping)
+    skipped_steps: int = 0  # optimizer steps an fp16 grad scaler skipped (gradient overflow)
+    skipped_in_a_row: int = 0
+    recent_losses: list[float] = field(default_factory=list)  # the divergence check's window
 
 
 # ---------------------------------------------------------------- RNG states, weights_only-loadable
@@ -103,12 +112,15 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any, scaler: Any, keep: int) -> Path:
+                    scheduler: Any, scaler: Any, keep: int, links: dict[str, Path] | None = None) -> Path:
+    """`links`: files to hold in the checkpoint under these names, hard-linked (copied where links fail)."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a dead writer's leftovers
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    for name, src in (links or {}).items():
+        link_or_copy(src, tmp / name)
     save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "scaler": scaler.state_dict() if scaler is not None else None, "rng": rng_state()},
@@ -125,6 +137,14 @@ def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Modu
     for _, old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link (the same bytes held twice without a second copy), a copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, scheduler: Any,

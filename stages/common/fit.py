@@ -7,6 +7,7 @@ from typing import Any
 
 from stages.common import memory
 from stages.common.models import compute_dtype, hf_config, meta_and_plan
+from stages.engine.units import human_bytes
 
 
 def estimate_pipeline(cfg: Any) -> memory.Estimate:
@@ -39,7 +40,7 @@ def format_estimate(est: memory.Estimate) -> str:
     rows = [("weights (get_memory_footprint)", est.weights), ("quantization constants", est.quant_constants),
             ("adapters / trainable copies", est.adapters), ("gradients (fp32)", est.gradients),
             ("optimizer states", est.optimizer), ("activations (rough)", est.activations), ("total", est.total)]
-    lines = [f"  {k:<32} {v:>16,} B  {memory.gib(v):>12}" for k, v in rows]
+    lines = [f"  {k:<32} {v:>16,} B  {human_bytes(v):>12}" for k, v in rows]
     pct = 100 * est.trainable_params / max(est.total_params, 1)
     lines.append(f"  parameters {est.total_params:,} (quantized {est.quantized_params:,}, fp32-kept "
                  f"{est.fp32_kept_params:,}), trainable {est.trainable_params:,} ({pct:.2f}%)")

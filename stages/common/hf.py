@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from stages.common.hub import ensure_hub_reachable, resolve_local
+from stages.common.hub import ensure_hub_reachable, hub_identity, resolve_local
 
 HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "
            "pkg:PACKAGE/PATH, or download it into the HF cache on a connected machine and set HF_HUB_OFFLINE=1")
@@ -41,18 +41,42 @@ def tokenizer_files(cfg: Any) -> list[Path]:
                    or p.suffix in (".model", ".tiktoken")))
 
 
-def load_tokenizer(cfg: Any):
+def tokenizer_deps(cfg: Any) -> dict[str, str]:
+    """A hub tokenizer pinned to the commit its revision points at ({} for a local one)."""
+    gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
+    source, _, local = split_gguf(tokenizer_name(cfg), gguf)
+    return {} if local is not None else hub_identity(source, cfg.model.revision)
+
+
+def model_deps(cfg: Any) -> dict[str, str]:
+    """A hub model pinned to the commit its revision points at, with the tokenizer its pad token comes from."""
+    deps = tokenizer_deps(cfg)
+    if not cfg.model.from_config:
+        source, _, local = split_gguf(cfg.model.name, cfg.model.gguf_file)
+        if local is None:
+            deps |= hub_identity(source, cfg.model.revision)
+    return deps
+
+
+def load_tokenizer(source: Any):
+    """The one tokenizer loader, with a pad token. `source`: a pipeline config (tokenize.tokenizer, else the
+    model's: hub id, folder, GGUF file or pkg:), or the folder of a saved tokenizer (the tokenize artifact's
+    tokenizer/)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
-    source, kwargs, local = split_gguf(tokenizer_name(cfg), gguf)
-    if local is None:
-        ensure_hub_reachable(f"tokenizer {source}", HUB_FIX, source, cfg.model.revision)
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    tok = AutoTokenizer.from_pretrained(source, revision=cfg.model.revision if local is None else None,
-                                        trust_remote_code=cfg.model.trust_remote_code, **kwargs)
+    if isinstance(source, str | Path):
+        tok = AutoTokenizer.from_pretrained(str(source))
+    else:
+        cfg = source
+        gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
+        name, kwargs, local = split_gguf(tokenizer_name(cfg), gguf)
+        if local is None:
+            ensure_hub_reachable(f"tokenizer {name}", HUB_FIX, name, cfg.model.revision)
+        hf_logging.set_verbosity_error()
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        tok = AutoTokenizer.from_pretrained(name, revision=cfg.model.revision if local is None else None,
+                                            trust_remote_code=cfg.model.trust_remote_code, **kwargs)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok

@@ -6,12 +6,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import socket
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 from stages.engine.errors import HubUnreachableError, MissingInputError
+from stages.engine.fingerprint import UNRESOLVED
 
 HUB_DEADLINE_S = 1.0
 
@@ -79,3 +82,57 @@ def resolve_local(name: str) -> Path | None:
     if name.startswith(("/", "./", "../", "~")) or name.endswith((".gguf", ".csv", ".jsonl", ".parquet")):
         raise MissingInputError(f"{name}: no such file or folder; fix the path in pipeline.yaml")
     return None
+
+
+SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+def cached_revision(repo_id: str, revision: str, repo_type: str = "model") -> str | None:
+    """The commit sha the HF cache's refs/<revision> holds for a repo (None when not cached)."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    try:
+        sha = (folder / "refs" / revision).read_text().strip()
+    except OSError:
+        return None
+    return sha if SHA.match(sha) else None
+
+
+def revision_sha(repo_id: str, revision: str | None, repo_type: str = "model") -> str:
+    """The commit a hub revision (a branch or tag name, default main) points at now, so a cache key names
+    the exact files rather than a name that moves: the hub API when it is reachable within about a
+    second, else the HF cache's refs/<revision>. `unresolved` when neither knows; such a stage cannot run
+    (its body needs the hub) and gc keeps what it may have made."""
+    revision = revision or "main"
+    if SHA.match(revision):
+        return revision
+    if not hub_offline() and _hub_answers():
+        with contextlib.suppress(Exception):
+            from huggingface_hub import HfApi
+
+            info = HfApi().repo_info(repo_id, revision=revision, repo_type=repo_type, timeout=HUB_DEADLINE_S * 5)
+            if info.sha:
+                return info.sha
+    return cached_revision(repo_id, revision, repo_type) or UNRESOLVED
+
+
+_PROBE: dict[str, tuple[float, bool]] = {}
+
+
+def _hub_answers() -> bool:
+    """Whether the hub answered a connection within a second (remembered for a minute: a plan asks once)."""
+    now = time.monotonic()
+    if "hub" not in _PROBE or now - _PROBE["hub"][0] > 60:
+        try:
+            ensure_hub_reachable("hub", "")
+            ok = True
+        except HubUnreachableError:
+            ok = False
+        _PROBE["hub"] = (now, ok)
+    return _PROBE["hub"][1]
+
+
+def hub_identity(repo_id: str, revision: str | None, repo_type: str = "model") -> dict[str, str]:
+    """{"hub <repo>@<revision>": sha}: a stage's dependency on a hub repo, for its key and manifest."""
+    return {f"hub {repo_id}@{revision or 'main'}": revision_sha(repo_id, revision, repo_type)}

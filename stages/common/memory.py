@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from stages.engine.errors import ConfigError
+from stages.engine.units import human_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int8: 1, torch.uint8: 1}
 OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw_torch": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
@@ -190,16 +191,6 @@ def check_fits(need: int, what: str, free: int | None = None, device: str | None
     if free is None:
         free, device = free_memory()
     if need > free:
-        raise ConfigError(f"{what}: estimated {gib(need)} but {device or 'the device'} has {gib(free)} free; "
+        raise ConfigError(f"{what}: estimated {human_bytes(need)} but {device or 'the device'} has {human_bytes(free)} free; "
                           f"stopping before loading. Lower it with {'; '.join(FIT_KNOBS)}")
 
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def human(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

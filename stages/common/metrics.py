@@ -1,21 +1,88 @@
-"""Evaluation metrics, offline: accuracy, macro-F1 and the confusion matrix for classifiers; ROUGE-1/2/L/Lsum
-for summaries, computed with `rouge_score` directly (stemming on).
+"""Evaluation metrics through the `evaluate` library: `evaluate.metrics` in pipeline.yaml names modules,
+each by name or path, and `compute` runs them.
 
-Not the HF `evaluate` library: `evaluate.load("rouge")` fetches its module from the hub and fails offline,
-and its default aggregator reports a bootstrap "mid" instead of the plain mean. Here each ROUGE score is
-the mean over examples of the per-example F-measure. ROUGE-Lsum splits summaries into sentences on
-newlines ("\\n"), so no sentence splitter (nltk punkt) has to be downloaded; a prediction on one line
-counts as one sentence.
+The project ships its own offline modules (stages/common/metric_modules: accuracy, f1 = macro-F1, rouge =
+ROUGE-1/2/L/Lsum with `rouge_score`), loaded by path, so nothing is fetched: `evaluate.load("rouge")` would
+fetch the hub's script and fails offline, and its aggregator reports a bootstrap "mid" instead of the plain
+mean. A path names a local `evaluate` module (a folder holding NAME.py, or the .py file); any other name
+is an `evaluate` module on the Hugging Face hub, loaded only when the hub answers. The files of the shipped
+and local modules are inputs of the evaluate stage, so editing one reruns it.
+
+The confusion matrix [true][predicted] stays here: it is a table, not an `evaluate` score.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+from stages.common.hub import ensure_hub_reachable
+from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.parallel import n_jobs
+
+MODULES_DIR = Path(__file__).resolve().parent / "metric_modules"
+SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts"}  # what each scores: class ids or texts
+DEFAULTS = {"seq_cls": ("accuracy", "f1"), "seq2seq": ("rouge",), "causal_lm": ("rouge",)}
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+PARALLEL_MIN_PAIRS = 500  # fewer ROUGE pairs are scored in this process (starting workers costs ~1 s)
 
 
-# ---------------------------------------------------------------- classification
+def metric_names(configured: Sequence[str] | None, task: str) -> list[str]:
+    """`evaluate.metrics`, or the task's default; a shipped module that cannot score this task's
+    predictions is a ConfigError (class ids for seq_cls, texts for generation)."""
+    names = list(configured) if configured else list(DEFAULTS[task])
+    want = "labels" if task == "seq_cls" else "texts"
+    for name in names:
+        kind = SHIPPED.get(name)
+        if kind is not None and kind != want:
+            fits = [n for n, k in SHIPPED.items() if k == want]
+            raise ConfigError(f"evaluate.metrics {name}: scores {kind}, but model.task {task} predicts {want}; "
+                              f"use {', '.join(fits)} (or a module that scores {want})")
+    return names
+
+
+def module_path(name: str) -> Path | None:
+    """The folder or file of a shipped or local module; None for a hub module name."""
+    if name in SHIPPED:
+        return MODULES_DIR / name
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.resolve()
+    if name.startswith(("/", "./", "../", "~")) or name.endswith(".py"):
+        raise MissingInputError(f"evaluate.metrics {name}: no such file or folder; give the path of a local "
+                                f"`evaluate` module (a folder holding NAME.py, or the .py file)")
+    return None
+
+
+def module_files(names: Sequence[str]) -> list[Path]:
+    """The shipped and local modules' files and folders (their content goes into the stage's key)."""
+    return [p for p in (module_path(n) for n in names) if p is not None]
+
+
+def load(name: str) -> Any:
+    """The `evaluate` module `name`: shipped or local by path, else from the hub (checked first)."""
+    import evaluate
+
+    path = module_path(name)
+    if path is None:
+        ensure_hub_reachable(f"evaluate.metrics {name}", "list the project's offline modules (accuracy, f1, rouge) "
+                             "or the path of a local `evaluate` module")
+        return evaluate.load(name, keep_in_memory=True)
+    return evaluate.load(str(path), keep_in_memory=True)
+
+
+def compute(names: Sequence[str], predictions: Sequence[Any], references: Sequence[Any], *,
+            jobs: int | None = None) -> dict[str, Any]:
+    """Every module's results, merged in order. The shipped rouge scores many pairs with joblib workers
+    (`jobs`, default: the available cores); its numbers are the same with one."""
+    out: dict[str, Any] = {}
+    for name in names:
+        kw: dict[str, Any] = {}
+        if name == "rouge":
+            kw["n_jobs"] = n_jobs(jobs) if len(predictions) >= PARALLEL_MIN_PAIRS or jobs else 1
+        out.update(load(name).compute(predictions=list(predictions), references=list(references), **kw))
+    return out
 
 
 def confusion_matrix(predictions: Sequence[int], references: Sequence[int], num_labels: int) -> list[list[int]]:
@@ -26,59 +93,13 @@ def confusion_matrix(predictions: Sequence[int], references: Sequence[int], num_
     return m
 
 
-def accuracy(predictions: Sequence[int], references: Sequence[int]) -> float:
-    if not references:
-        return 0.0
-    return sum(int(p) == int(r) for p, r in zip(predictions, references, strict=True)) / len(references)
+def classification_metrics(predictions: Sequence[int], references: Sequence[int], num_labels: int,
+                           names: Sequence[str] = DEFAULTS["seq_cls"]) -> dict[str, Any]:
+    """examples, the modules' scores (default accuracy and macro_f1), the confusion matrix."""
+    return {"examples": len(references), **compute(names, predictions, references),
+            "confusion_matrix": confusion_matrix(predictions, references, num_labels)}
 
 
-def macro_f1(predictions: Sequence[int], references: Sequence[int], num_labels: int) -> float:
-    """Unweighted mean of the per-class F1 over the classes that occur in the references or predictions
-    (sklearn's `f1_score(average="macro")`; a class with no true and no predicted rows is left out)."""
-    return _macro_f1_of(confusion_matrix(predictions, references, num_labels))
-
-
-def _macro_f1_of(m: list[list[int]]) -> float:
-    """macro_f1 from a confusion matrix [true][predicted]."""
-    num_labels = len(m)
-    scores = []
-    for c in range(num_labels):
-        tp = m[c][c]
-        predicted = sum(m[r][c] for r in range(num_labels))
-        actual = sum(m[c])
-        if predicted == 0 and actual == 0:
-            continue
-        scores.append(2 * tp / (predicted + actual))  # = 2PR / (P + R), 0 when tp == 0
-    return sum(scores) / len(scores) if scores else 0.0
-
-
-def classification_metrics(predictions: Sequence[int], references: Sequence[int], num_labels: int) -> dict:
-    m = confusion_matrix(predictions, references, num_labels)
-    return {
-        "examples": len(references),
-        "accuracy": accuracy(predictions, references),
-        "macro_f1": _macro_f1_of(m),
-        "confusion_matrix": m,
-    }
-
-
-# ---------------------------------------------------------------- summarisation
-
-
-def rouge_scores(predictions: Sequence[str], references: Sequence[str]) -> list[dict[str, float]]:
-    """Per-example ROUGE F-measures (rouge_score with the Porter stemmer)."""
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-    out = []
-    for pred, ref in zip(predictions, references, strict=True):
-        s = scorer.score(ref, pred)  # score(target, prediction)
-        out.append({t: s[t].fmeasure for t in ROUGE_TYPES})
-    return out
-
-
-def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+def rouge(predictions: Sequence[str], references: Sequence[str], *, jobs: int | None = None) -> dict[str, float]:
     """Mean F-measure over examples for ROUGE-1, -2, -L and -Lsum (0.0 for no examples)."""
-    per = rouge_scores(predictions, references)
-    n = max(len(per), 1)
-    return {t: sum(s[t] for s in per) / n for t in ROUGE_TYPES}
+    return compute(["rouge"], predictions, references, jobs=jobs)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +99,7 @@ class CodeGraph:
         self.root = Path(root)
         self.sources = sources or {}
         self._modules: dict[str, ModuleInfo | None] = {}
+        self._objects: dict[tuple[str, str], tuple[str, set[tuple[str, str]]]] = {}  # (dump, references)
 
     # ------------------------------------------------------------ modules
     def path_of(self, module: str) -> Path | None:
@@ -291,25 +290,41 @@ class CodeGraph:
             ident = f"{module}.{name}"
             if ident in seen:
                 continue
-            if name == WHOLE:
-                seen[ident] = info.source
-                for stmt in info.tree.body:
-                    todo.extend(r for r in self.references(module, stmt) if r != (module, WHOLE))
-                continue
-            stmts = info.preamble if name == PREAMBLE else info.defs.get(name)
-            if stmts is None:
+            found = self._object(module, name)
+            if found is None:  # not bound at top level: the whole module
                 todo.append((module, WHOLE))
                 continue
-            seen[ident] = "\n".join(ast.dump(s) for s in stmts)
-            for s in stmts:
-                todo.extend(self.references(module, s))
+            seen[ident], refs = found
+            todo.extend(refs)
         return dict(sorted(seen.items()))
 
+    def _object(self, module: str, name: str) -> tuple[str, set[tuple[str, str]]] | None:
+        """(what is hashed, what it references) for one object; None when the module does not bind it."""
+        if (module, name) not in self._objects:
+            info = self.module(module)
+            assert info is not None
+            if name == WHOLE:
+                refs = {r for stmt in info.tree.body for r in self.references(module, stmt) if r != (module, WHOLE)}
+                self._objects[module, name] = (info.source, refs)
+            else:
+                stmts = info.preamble if name == PREAMBLE else info.defs.get(name)
+                if stmts is None:
+                    return None
+                refs = {r for s in stmts for r in self.references(module, s)}
+                self._objects[module, name] = ("\n".join(ast.dump(s) for s in stmts), refs)
+        return self._objects[module, name]
 
-def digest(closure: dict[str, str]) -> str:
-    text = json.dumps(closure, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+
+_SHARED: dict[Path, tuple[tuple, CodeGraph]] = {}
 
 
-def object_hashes(closure: dict[str, str]) -> list[str]:
-    return [f"{k}:{hashlib.sha256(v.encode()).hexdigest()[:12]}" for k, v in closure.items()]
+def code_graph(root: Path) -> CodeGraph:
+    """The project's code graph, reused within a process while no source file under root's packages
+    changed (same names, inodes, sizes and modification times)."""
+    files = sorted(p for pkg in PROJECT_PACKAGES for p in (root / pkg).rglob("*.py"))
+    signature = tuple((str(p), st.st_ino, st.st_size, st.st_mtime_ns) for p in files if (st := p.stat()))
+    cached = _SHARED.get(root)
+    if cached is None or cached[0] != signature:
+        cached = (signature, CodeGraph(root))
+        _SHARED[root] = cached
+    return cached[1]

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stages.engine.errors import ConfigError
-from stages.engine.schema import PipelineConfig
+from stages.engine.schema import PipelineConfig, SweepConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PIPELINE_FILE = PROJECT_ROOT / "pipeline.yaml"
@@ -121,9 +121,12 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path.name}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("pipelines"), dict):
         raise ConfigError(f"{path.name}: needs a top-level 'pipelines:' mapping of named pipelines")
-    unknown = set(doc) - {"defaults", "pipelines"}
+    unknown = set(doc) - {"defaults", "pipelines", "sweeps"}
     if unknown:
-        raise ConfigError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: defaults, pipelines")
+        raise ConfigError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: defaults, pipelines, "
+                          f"sweeps")
+    if not isinstance(doc.get("sweeps") or {}, dict):
+        raise ConfigError(f"{path.name}: sweeps must be a mapping of named sweeps")
     if not isinstance(doc.get("defaults") or {}, dict):
         raise ConfigError(f"{path.name}: defaults must be a mapping of sections")
     return doc
@@ -131,6 +134,48 @@ def read_yaml(path: Path) -> dict:
 
 def pipeline_names(path: Path = DEFAULT_PIPELINE_FILE) -> list[str]:
     return list(read_yaml(path)["pipelines"])
+
+
+def sweep_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
+    return list(read_yaml(Path(path)).get("sweeps") or {})
+
+
+def load_sweep(name: str, path: Path | str = DEFAULT_PIPELINE_FILE) -> SweepConfig:
+    """A named sweep of the file's `sweeps:`, validated (its variants' configs are checked by whoever expands it)."""
+    path = Path(path)
+    doc = read_yaml(path)
+    sweeps = doc.get("sweeps") or {}
+    if name not in sweeps:
+        raise ConfigError(f"unknown sweep '{name}'; available: {', '.join(sweeps) or 'none'} "
+                          f"(defined under sweeps: in {path.name})")
+    body = sweeps[name]
+    if not isinstance(body, dict):
+        raise ConfigError(f"sweeps.{name}: must be a mapping (pipeline, grid or variants, metric ...)")
+    return validate_sweep(name, body, f"sweeps.{name}", doc)
+
+
+def validate_sweep(name: str, body: dict, where: str, doc: dict | None = None) -> SweepConfig:
+    """body -> SweepConfig; every problem one line naming `where` (the YAML path, or the command's options)."""
+    if "name" in body:
+        raise ConfigError(f"{where}: 'name' is the sweep's key; remove it")
+    try:
+        sweep = SweepConfig.model_validate({**body, "name": name})
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                msg = f"unknown key; valid keys here: {', '.join(f for f in SweepConfig.model_fields if f != 'name')}"
+            elif err["type"] == "value_error":
+                msg = str((err.get("ctx") or {}).get("error", err["msg"]))
+            else:
+                msg = f"{err['msg']}, got {err.get('input')!r}"
+            problems.append(f"{where}{'.' + loc if loc else ''}: {msg}")
+        raise ConfigError("; ".join(problems)) from None
+    if doc is not None and sweep.pipeline not in doc["pipelines"]:
+        raise ConfigError(f"{where}.pipeline: unknown pipeline '{sweep.pipeline}'; available: "
+                          f"{', '.join(doc['pipelines'])}")
+    return sweep
 
 
 def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:

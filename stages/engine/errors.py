@@ -26,3 +26,7 @@ class HubUnreachableError(FinetuneError):
 
 class CorruptCacheError(FinetuneError):
     """A committed artifact fails verification."""
+
+
+class DivergenceError(FinetuneError):
+    """Training diverged (non-finite or exploding loss or gradients); nothing was committed."""

@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.engine.codegraph import CodeGraph, digest, object_hashes
+from stages.engine.codegraph import CodeGraph, code_graph
 from stages.engine.config import PROJECT_ROOT
 
 OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
+UNRESOLVED = "unresolved"  # a dependency (a hub revision) whose identity could not be pinned when planning
 
 
 def canonical_json(obj: Any) -> str:
@@ -26,6 +27,14 @@ def canonical_json(obj: Any) -> str:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def digest(closure: dict[str, str]) -> str:
+    return sha256_text(json.dumps(closure, sort_keys=True, separators=(",", ":")))
+
+
+def object_hashes(closure: dict[str, str]) -> list[str]:
+    return [f"{k}:{sha256_text(v)[:12]}" for k, v in closure.items()]
 
 
 # ---------------------------------------------------------------- code
@@ -41,7 +50,7 @@ def code_fingerprint(entry_points: Iterable[Callable | type], graph: CodeGraph |
                      ) -> tuple[str, list[str]]:
     """(hash over every project object the entry points can reach, ["module.name:sha12", ...] so status
     can name what changed)."""
-    closure = (graph or CodeGraph(PROJECT_ROOT)).closure([root_of(e) for e in entry_points])
+    closure = (graph or code_graph(PROJECT_ROOT)).closure([root_of(e) for e in entry_points])
     return digest(closure), object_hashes(closure)
 
 

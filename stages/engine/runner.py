@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.codegraph import CodeGraph
+from stages.engine.codegraph import code_graph
 from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.fingerprint import (
@@ -36,10 +36,15 @@ class Stage:
     reads: tuple[str, ...]
     upstream: tuple[str, ...] = ()
     inputs: Callable[[PipelineConfig], list[Path]] = field(default=lambda cfg: [])
+    # Hub repos it downloads, each pinned to the commit its revision points at: {"hub repo@rev": sha}
+    deps: Callable[[PipelineConfig], dict[str, str]] = field(default=lambda cfg: {})
     libraries: tuple[str, ...] = OUTPUT_LIBRARIES
     # Runs on the whole config before the body when the stage is about to compute; it may stop the run
     # (e.g. the memory estimate) but does not change outputs, so it stays out of the key.
     precheck: Callable[[PipelineConfig], Any] | None = None
+    # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
+    # names, which size the model's head) before any key is computed, so every key covers the values used.
+    resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
 
 
 class ConfigView:
@@ -84,20 +89,26 @@ class Planned:
     key: StageKey
 
 
+def code_roots(st: Stage) -> list[Any]:
+    """Where a stage's code fingerprint starts: its body, the function that picks its input files, and
+    the engine objects a body calls into (the config view it reads through, its context)."""
+    return [st.body, st.inputs, st.deps, ConfigView, StageContext]
+
+
 def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = None) -> list[Planned]:
     """Keys for every stage, computed up front (a key needs only upstream keys, not their outputs).
     `hashes`: the store's memo of input-file hashes (default: this process's)."""
+    cfg = resolve_config(cfg, graph)
     keys: dict[str, StageKey] = {}
     out = []
-    code_graph = CodeGraph(PROJECT_ROOT)  # parses each module once for the whole plan
+    graph_of_code = code_graph(PROJECT_ROOT)  # each module parsed once per process while unchanged
     for st in graph:
-        # what the body can run, what picks its input files, and the engine objects a body calls into
-        code, objects = code_fingerprint([st.body, st.inputs, ConfigView, StageContext], code_graph)
+        code, objects = code_fingerprint(code_roots(st), graph_of_code)
         sk = StageKey(
             stage=st.name,
             params={r: select(cfg, r) for r in st.reads},
             upstream={u: keys[u].key for u in st.upstream},
-            inputs=inputs_digest(st.inputs(cfg), hashes),
+            inputs={**inputs_digest(st.inputs(cfg), hashes), **st.deps(cfg)},
             code=code,
             code_objects=tuple(objects),
             libraries=library_versions(st.libraries),
@@ -105,6 +116,14 @@ def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = 
         keys[st.name] = sk
         out.append(Planned(st, sk))
     return out
+
+
+def resolve_config(cfg: PipelineConfig, graph: Iterable[Stage]) -> PipelineConfig:
+    """The config with every stage's derived fields filled in (Stage.resolve; idempotent)."""
+    for st in graph:
+        if st.resolve is not None:
+            cfg = st.resolve(cfg)
+    return cfg
 
 
 def stage_names(graph: Iterable[Stage]) -> list[str]:
@@ -188,6 +207,7 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
     passes one that runs the stage's task). Unknown stage names are a ConfigError before anything runs."""
     force = set(force)
     check_run_options(graph, force, only, until)
+    cfg = resolve_config(cfg, graph)  # the stages run on the config their keys were computed from
     items = plan(cfg, graph, store.hashes())
     done = upstream_for_only(items, only, store, verify) if only else {}
     results = []

@@ -49,10 +49,12 @@ class SplitConfig(Section):
         "by counts (the BLOOM article's IMDB split). source: keep the source's train/test, carve validation "
         "(and test, when the source has none) from train with `seed`.",
     )
-    seed: int = 1
-    train: int | None = Field(None, ge=1, description="rows (shuffle_concat)")
-    validation: int | float | None = Field(None, ge=0, description="rows, or a fraction of train when < 1")
-    test: int | float | None = Field(None, ge=0, description="rows, or a fraction (only when the source has no test)")
+    seed: int = Field(1, description="seed of the shuffle (shuffle_concat) or of the rows carved from train (source)")
+    train: int | None = Field(None, ge=1, description="shuffle_concat: rows of the train split (required there)")
+    validation: int | float | None = Field(None, ge=0, description="rows; source mode: a fraction of train when < 1, "
+                                           "carved from train")
+    test: int | float | None = Field(None, ge=0, description="rows; source mode: a fraction of train when < 1, "
+                                     "carved from train only when the source has no test split")
 
     @model_validator(mode="after")
     def _counts(self) -> SplitConfig:
@@ -62,17 +64,29 @@ class SplitConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["imdb", "billsum", "local"] = "imdb"
+    source: Literal["imdb", "billsum", "local"] = Field(
+        "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
+        "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
+        "file(s) at `path`.")
     path: str | None = Field(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
                              "an aclImdb folder or aclImdb_v1.tar.gz")
     hub_id: str | None = Field(None, description="dataset id on the hub; default stanfordnlp/imdb or billsum")
-    hub_revision: str | None = None
+    hub_revision: str | None = Field(None, description="branch, tag or commit of the hub dataset; default its "
+                                     "main branch")
     mirror: str | None = runtime(None, description="offline mirror laid out like ../shared/data (imdb/, billsum/); "
                                  "$FINETUNE_DATA_MIRROR wins. Its files' content is in the key, not its path.")
-    text_column: str = "text"
-    label_column: str | None = "label"
-    target_column: str | None = None
-    split: SplitConfig = SplitConfig()
+    text_column: str = Field("text", description="column holding the input text")
+    label_column: str | None = Field("label", description="seq_cls: column of the class of each row: integer "
+                                     "ids 0 .. model.num_labels - 1, or names (strings), which map to ids by "
+                                     "data.label_names")
+    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls: the class names in id order "
+                                          "(id i is label_names[i]). null: derived before the run from the data: "
+                                          "neg/pos for IMDB and aclImdb, the sorted distinct names of a string "
+                                          "label column, none for integer labels. The model's id2label, the "
+                                          "export card and predictions.jsonl carry them.")
+    target_column: str | None = Field(None, description="seq2seq / causal_lm: column of the target text; default "
+                                      "`summary` for billsum")
+    split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
 
@@ -86,21 +100,33 @@ class DataConfig(Section):
 
 
 class TokenizeConfig(Section):
-    tokenizer: str | None = Field(None, description="hub id, folder or pkg:... ; default: the model's")
-    max_length: int = Field(1024, ge=8, le=1_000_000)
-    max_target_length: int | None = Field(None, ge=1)
-    prefix: str = ""
-    batch_size: int = runtime(1000, ge=1)
+    tokenizer: str | None = Field(None, description="hub id, local folder or pkg:PACKAGE/RELATIVE/PATH; default: "
+                                  "the model's (model.name, its GGUF file included)")
+    max_length: int = Field(1024, ge=8, le=1_000_000, description="tokens per input row, special tokens included; "
+                            "longer inputs are truncated (causal_lm: prompt + target, the prompt's head is cut)")
+    max_target_length: int | None = Field(None, ge=1, description="seq2seq / causal_lm: tokens per target, longer "
+                                          "targets truncated; default max_length")
+    prefix: str = Field("", description="text prepended to every input before tokenizing (T5: \"summarize: \")")
+    batch_size: int = runtime(1000, ge=1, description="rows per tokenizer call (speed and memory only)")
 
 
 class ModelConfig(Section):
     name: str = Field(..., description="hub id, local folder, GGUF file, or pkg:PACKAGE/RELATIVE/PATH")
-    revision: str | None = None
-    gguf_file: str | None = None
-    task: Literal["seq_cls", "seq2seq", "causal_lm"] = "seq_cls"
-    num_labels: int | None = Field(2, ge=2)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    trust_remote_code: bool = False
+    revision: str | None = Field(None, description="branch, tag or commit of the hub model; default its main branch")
+    gguf_file: str | None = Field(None, description="the GGUF file inside the hub repo or folder `name` (when `name` "
+                                  "is not itself a .gguf file); its weights are dequantized on load")
+    task: Literal["seq_cls", "seq2seq", "causal_lm"] = Field(
+        "seq_cls", description="seq_cls: a classification head on the model (accuracy, macro-F1); seq2seq: an "
+        "encoder-decoder generating the target (ROUGE); causal_lm: a decoder continuing prompt + target, loss on "
+        "the target tokens only (ROUGE)")
+    num_labels: int | None = Field(2, ge=2, description="seq_cls: number of classes; null for the other tasks, "
+                                   "and for seq_cls: inferred (the count of data.label_names, or the largest "
+                                   "integer label + 1)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the weights that are not quantized. auto: float32 unquantized (mixed "
+        "precision keeps fp32 master weights), quantization.compute_dtype when quantized")
+    trust_remote_code: bool = Field(False, description="let transformers run model code shipped with the "
+                                    "checkpoint (only for sources you trust)")
     from_config: dict[str, Any] | None = Field(
         None, description="build a randomly initialised model from this transformers config (tests, memory bench)")
     init_seed: int = Field(0, description="seed for random models and newly initialised heads (score, classifier)")
@@ -109,9 +135,13 @@ class ModelConfig(Section):
 
 
 class QuantizationConfig(Section):
-    mode: Literal["none", "8bit", "4bit"] = "none"
-    quant_type: Literal["nf4", "fp4"] = "nf4"
-    double_quant: bool = False
+    mode: Literal["none", "8bit", "4bit"] = Field(
+        "none", description="bitsandbytes quantization of the base model's Linear weights. none: unquantized; "
+        "8bit: LLM.int8; 4bit: quant_type with 16/32-bit compute (QLoRA)")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4bit only. nf4: NormalFloat4 (the QLoRA paper's, "
+                                               "for normally distributed weights); fp4: 4-bit float")
+    double_quant: bool = Field(False, description="4bit only: quantize the per-block scales too (8-bit, ~0.37 "
+                               "bits per parameter saved)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU")
     skip_modules: list[str] = Field(default_factory=list, description="modules never quantized, besides the heads "
@@ -121,13 +151,19 @@ class QuantizationConfig(Section):
 
 
 class AdaptersConfig(Section):
-    method: Literal["full", "lora"] = "full"
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=list)
-    modules_to_save: list[str] = Field(default_factory=list)
-    bias: Literal["none", "all", "lora_only"] = "none"
+    method: Literal["full", "lora"] = Field(
+        "full", description="full: every weight of the model is trained; lora: the base is frozen and LoRA "
+        "adapters (PEFT) on target_modules are trained, plus modules_to_save")
+    r: int = Field(8, ge=1, description="lora: rank of the LoRA matrices A (r x in) and B (out x r)")
+    alpha: float = Field(16, gt=0, description="lora: scaling; the adapter's update is multiplied by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout probability on the adapter's input")
+    target_modules: list[str] = Field(default_factory=list, description="lora: names (or name suffixes) of the "
+                                      "Linear modules that get adapters, e.g. [q_proj, v_proj]; required for lora")
+    modules_to_save: list[str] = Field(default_factory=list, description="lora: modules trained in full and saved "
+                                       "with the adapter, e.g. a new head [classifier] or [lm_head]")
+    bias: Literal["none", "all", "lora_only"] = Field(
+        "none", description="lora: which biases train. none; all: every bias of the model; lora_only: the biases "
+        "of the modules that get adapters")
     init_seed: int = Field(0, description="seed for the initial LoRA weights")
 
     @model_validator(mode="after")
@@ -137,24 +173,61 @@ class AdaptersConfig(Section):
         return self
 
 
+class SelectBest(Section):
+    metric: Literal["val_loss", "val_accuracy"] = Field(..., description="validation metric to select on: val_loss "
+                                                        "(mean per row or target token), val_accuracy (seq_cls only)")
+    mode: Literal["max", "min"] = Field(..., description="max: higher is better; min: lower is better. Default: "
+                                        "min for val_loss, max for val_accuracy")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") is None and "metric" in data:
+            return {**data, "mode": "min" if data["metric"] == "val_loss" else "max"}
+        return data
+
+
+class EarlyStopping(Section):
+    patience: int = Field(..., ge=1, description="validations in a row without an improvement before training stops")
+    min_delta: float = Field(0.0, ge=0, description="an improvement must exceed this (in the metric's units) to "
+                             "reset the patience count")
+
+
 class TrainConfig(Section):
-    micro_batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    epochs: float = Field(1, gt=0)
-    max_steps: int | None = Field(None, ge=1)
-    optimizer: Literal["adam", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
-    lr: float = Field(5e-5, gt=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float | None = Field(None, gt=0)
-    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"
-    gradient_checkpointing: bool = False
-    group_by_length: bool = True
-    seed: int = 123
-    checkpoint_every: int = runtime(50, ge=1)
-    keep_checkpoints: int = runtime(2, ge=1)
-    log_every: int = runtime(10, ge=1)
+    micro_batch_size: int = Field(1, ge=1, description="rows per forward/backward pass (a CUDA out-of-memory "
+                                  "error halves it and doubles accumulation)")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; effective "
+                                             "batch = micro_batch_size x gradient_accumulation_steps x "
+                                             "num_processes rows, the loss normalised over all of it")
+    epochs: float = Field(1, gt=0, description="passes over the train split, may be fractional; max_steps wins "
+                          "when set")
+    max_steps: int | None = Field(None, ge=1, description="optimizer steps to train; null: from epochs")
+    optimizer: Literal["adam", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw_torch", description="adam: torch Adam (the BLOOM article's; weight decay as L2); adamw_torch: "
+        "torch AdamW; adamw_8bit: bitsandbytes AdamW with 8-bit states (2 instead of 8 bytes per trainable "
+        "parameter); paged_adamw_8bit: the same, paged to CPU memory under GPU memory pressure (non-paged on CPU)")
+    lr: float = Field(5e-5, gt=0, lt=1, description="peak learning rate, reached after warmup_steps")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay of matrices; biases and norm weights never "
+                                "decay")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning rate after warmup_steps of linear warmup: constant; linear decay to 0 "
+        "at the last step; cosine decay to 0 at the last step")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0 to lr")
+    max_grad_norm: float | None = Field(None, gt=0, description="clip the gradients' global L2 norm to this "
+                                        "before each optimizer step; null: no clipping")
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field(
+        "auto", description="autocast of forward/backward, fp32 master weights. auto: bf16 on GPUs that have it, "
+        "fp16 + gradient scaler on older GPUs, fp32 on CPU; no: fp32; fp16: CUDA only; bf16")
+    gradient_checkpointing: bool = Field(False, description="recompute activations during backward instead of "
+                                         "keeping them: less memory, about one more forward pass of compute")
+    group_by_length: bool = Field(True, description="true: seeded effective batches of similar lengths (less "
+                                  "padding); false: plain seeded shuffle. Batches are padded to their own longest "
+                                  "row either way")
+    seed: int = Field(123, description="seed of the batch order, dropout and every other random draw of training")
+    checkpoint_every: int = runtime(50, ge=1, description="optimizer steps between resume checkpoints (and at the "
+                                    "last step)")
+    keep_checkpoints: int = runtime(2, ge=1, description="resume checkpoints kept, the most recent ones")
+    log_every: int = runtime(10, ge=1, description="optimizer steps between log lines / metrics.jsonl records")
     num_processes: int = Field(1, ge=1, description="processes training together, one per GPU (gloo processes on "
                                "a CPU-only machine); > 1 runs the stage under `accelerate launch` with DDP. "
                                "Effective batch = micro_batch_size x gradient_accumulation_steps x num_processes, "
@@ -164,6 +237,30 @@ class TrainConfig(Section):
     accelerate_config: str | None = runtime(None, description="num_processes > 1: an `accelerate config` file "
                                             "(machine settings such as gpu_ids) for accelerate launch; DDP only "
                                             "(distributed_type MULTI_GPU / MULTI_CPU)")
+    # training health (stages/common/health.py)
+    eval_every: int | None = Field(None, ge=1, description="optimizer steps between validations during training, "
+                                   "besides the one at each epoch end; null: epoch ends (and a fractional last "
+                                   "epoch's end) only")
+    eval_max_examples: int | None = Field(None, ge=1, description="validate on the first N rows of the validation "
+                                          "split during training; null: all of it")
+    select_best: SelectBest | None = Field(None, description="keep the weights of the best validation so far: the "
+                                           "artifact's trained/ holds them, last/ the last step's; null: the last "
+                                           "weights are the artifact's")
+    early_stopping: EarlyStopping | None = Field(None, description="stop when select_best.metric has not improved for "
+                                                 "`patience` validations; needs select_best; null: train every step")
+    divergence_factor: float | None = runtime(10.0, gt=1, description="stop with an error (nothing committed) when "
+                                              "the loss averaged over 10 steps exceeds this many times its running "
+                                              "median (losses under 0.1 exempt); null: only non-finite losses and "
+                                              "gradient norms stop training")
+    max_skipped_steps: int = runtime(25, ge=1, description="fp16 grad scaler: optimizer steps it may skip in a row "
+                                     "(gradient overflow, counted and logged) before training counts as diverged")
+
+    @model_validator(mode="after")
+    def _early_stopping_watches_select_best(self) -> TrainConfig:
+        if self.early_stopping is not None and self.select_best is None:
+            raise ValueError("early_stopping watches select_best.metric: set train.select_best "
+                             "(e.g. {metric: val_loss}) too")
+        return self
 
 
 class EvaluateConfig(Section):
@@ -176,6 +273,12 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1, description="generation limit per example")
     length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
     log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
+    metrics: list[str] | None = Field(None, min_length=1, description="`evaluate` metric modules, each by name or "
+                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum) are the project's "
+                                      "offline modules (stages/common/metric_modules); a path is a local `evaluate` "
+                                      "module (its file's content is in the key); any other name is loaded from "
+                                      "the Hugging Face hub (online only). null: the task's: [accuracy, f1] for "
+                                      "seq_cls, [rouge] for generation")
 
 
 class ExportConfig(Section):
@@ -188,17 +291,60 @@ class ExportConfig(Section):
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str
-    description: str = ""
-    extends: str | None = None
-    data: DataConfig = DataConfig()
-    tokenize: TokenizeConfig = TokenizeConfig()
-    model: ModelConfig
-    quantization: QuantizationConfig = QuantizationConfig()
-    adapters: AdaptersConfig = AdaptersConfig()
-    train: TrainConfig = TrainConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    export: ExportConfig = ExportConfig()
+    name: str = Field(..., description="the pipeline's name, its key under `pipelines:` (set by the loader)")
+    description: str = Field("", description="one line shown in listings and on the export card")
+    extends: str | None = runtime(None, description="another pipeline whose settings this one is deep-merged "
+                                  "over (only the merged values reach the keys)")
+    data: DataConfig = Field(DataConfig(), description="the data stage: source, columns, splits")
+    tokenize: TokenizeConfig = Field(TokenizeConfig(), description="the tokenize stage")
+    model: ModelConfig = Field(..., description="the model stage: which model, how it is loaded")
+    quantization: QuantizationConfig = Field(QuantizationConfig(), description="the model stage: bitsandbytes "
+                                             "quantization")
+    adapters: AdaptersConfig = Field(AdaptersConfig(), description="the adapters stage: full finetune or LoRA")
+    train: TrainConfig = Field(TrainConfig(), description="the train stage")
+    evaluate: EvaluateConfig = Field(EvaluateConfig(), description="the evaluate stage")
+    export: ExportConfig = Field(ExportConfig(), description="the export stage")
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
                                  "card's reproduce command repeats them")
+
+
+class SweepConfig(BaseModel):
+    """One entry of `sweeps:` in pipeline.yaml: variants of a base pipeline run through the same store."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `python -m "
+                      "flows.sweep NAME`, deployment sweep/NAME, UI artifact sweep-NAME, folder sweeps/NAME of the store")
+    description: str = Field("", description="one line shown with the comparison")
+    pipeline: str = Field(..., description="the base pipeline (a name under `pipelines:`) every variant starts from")
+    set: dict[str, Any] = Field(default_factory=dict, description="overrides applied to every variant, "
+                                "{dotted.key: value} as `--set` takes them (e.g. data.subset, tokenize.max_length)")
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="dotted key -> list of values; the "
+                                       "variants are the product of the lists, first key slowest")
+    variants: list[dict[str, Any]] = Field(default_factory=list, description="explicit variants instead of a grid, "
+                                           "each a mapping {dotted.key: value} of its overrides")
+    seeds: list[int] = Field(default_factory=list, description="repeat every variant once per seed, as train.seed "
+                             "(which also draws the training data's order); compare then shows mean ± sd and the "
+                             "number of seeds. Empty: one run per variant with the pipeline's seed")
+    metric: str = Field("test.accuracy", description="what ranks the variants: SPLIT.METRIC of the evaluate stage's "
+                        "metrics, e.g. test.accuracy, test.macro_f1, validation.rougeL")
+    mode: Literal["max", "min"] = Field("max", description="max: the highest metric ranks first; min: the lowest "
+                                        "(a loss)")
+
+    @model_validator(mode="after")
+    def _shape(self) -> SweepConfig:
+        if self.grid and self.variants:
+            raise ValueError("give either grid (a product of values) or variants (explicit overrides), not both")
+        keys = [*self.set, *self.grid, *(k for v in self.variants for k in v)]
+        if bad := [k for k in keys if len(k.split(".")) < 2 or not all(k.split("."))]:
+            raise ValueError(f"override key(s) {bad} must be dotted SECTION.FIELD, e.g. train.lr")
+        if empty := [k for k, values in self.grid.items() if not values]:
+            raise ValueError(f"grid {empty}: give at least one value")
+        if self.seeds and "train.seed" in keys:
+            raise ValueError("train.seed is set by seeds; remove it from set/grid/variants")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds}: each seed once")
+        if len(self.metric.split(".")) != 2 or not all(self.metric.split(".")):
+            raise ValueError(f"metric '{self.metric}': write SPLIT.METRIC, e.g. test.accuracy")
+        return self

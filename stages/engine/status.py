@@ -16,6 +16,7 @@ from typing import Any
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
+from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.runner import Planned, Stage, plan
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import StageKey, Store, folder_size
@@ -73,6 +74,8 @@ def _changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
             out.append(f"{name} (new)")
         elif name not in new:
             out.append(f"{name} (deleted)")
+        elif old[name] != new[name] and name.startswith("hub "):  # a hub revision that moved
+            out.append(f"{name} {old[name][:7]} -> {new[name][:7]}")
         elif old[name] != new[name]:
             out.append(f"{name} (modified)")
     return out
@@ -189,7 +192,7 @@ def stage_status(store: Store, pipeline: str, item: Planned) -> StageStatus:
 
 
 def pipeline_status(cfg: PipelineConfig, store: Store, graph: Iterable[Stage]) -> list[StageStatus]:
-    return [stage_status(store, cfg.name, item) for item in plan(cfg, graph)]
+    return [stage_status(store, cfg.name, item) for item in plan(cfg, graph, store.hashes())]
 
 
 def find(statuses: list[StageStatus], stage: str) -> StageStatus:
@@ -220,11 +223,16 @@ def reachable_keys(store: Store, graph: Iterable[Stage], pipelines_file: Path | 
     keep: set[tuple[str, str]] = set()
     for name in pipeline_names(Path(pipelines_file)):
         try:
-            items = plan(load_pipeline(name, None, pipelines_file), graph)
+            items = plan(load_pipeline(name, None, pipelines_file), graph, store.hashes())
         except FinetuneError as e:
             raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \
                 from None
         keep |= {(i.key.stage, i.key.key) for i in items}
+        # a hub revision this machine cannot resolve: the stage's current key is unknown, keep what it made
+        unknown = {i.key.stage for i in items if UNRESOLVED in i.key.inputs.values()}
+        if unknown:
+            keep |= {(stage, key) for stage, key, _ in store.entries() if stage in unknown
+                     and (store.read_manifest(stage, key) or {}).get("pipeline") == name}
         if keep_refs:
             keep |= set(store.refs(name).items())
     if keep_refs:  # refs of pipelines no longer in the file, too

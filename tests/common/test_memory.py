@@ -49,31 +49,54 @@ def test_t5_3b_article_figures_from_config_alone():
     assert bf16.footprint == 2_683_297_792
 
 
-def test_training_terms_follow_the_knobs():
-    cfg = load_pipeline("tiny-billsum")
+def test_training_terms_of_tiny_billsum_match_a_real_model_and_the_shapes():
+    """tiny-billsum: T5 d_model 32, d_ff 64, 4 heads x d_kv 8, 2 + 2 layers, vocab 30522 (tied embeddings),
+    LoRA r=4 on v, o + lm_head saved, micro-batch 2, 256 input + 64 target tokens, fp32 compute."""
+    import peft
+    import transformers
+
+    cfg = load_pipeline("tiny-billsum", ["quantization.compute_dtype=float32"])
     est = fit.estimate_pipeline(cfg)
-    assert est.gradients == 4 * est.trainable_params and est.optimizer == 8 * est.trainable_params
-    assert est.total == (est.weights + est.quant_constants + est.adapters + est.gradients + est.optimizer
-                         + est.activations)
-    eight_bit = fit.estimate_pipeline(load_pipeline("tiny-billsum", ["train.optimizer=paged_adamw_8bit"]))
-    assert eight_bit.optimizer == 2 * est.trainable_params
-    bigger = fit.estimate_pipeline(load_pipeline("tiny-billsum", ["train.micro_batch_size=8"]))
-    assert bigger.activations == pytest.approx(4 * est.activations, rel=0.01)  # micro-batch 2 -> 8
-    ckpt = fit.estimate_pipeline(load_pipeline("tiny-billsum", ["train.gradient_checkpointing=true"]))
-    assert ckpt.activations < 0.7 * est.activations  # tiny model: the fp32 logits (vocab 30522) dominate
-    # a deep model without the logits term: checkpointing keeps layer inputs plus one layer
+    # measured on the real model: footprint, then what PEFT adds and makes trainable
+    shapes = {k: v for k, v in cfg.model.from_config.items() if k != "model_type"}
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**shapes))
+    base = model.get_memory_footprint()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v", "o"],
+                                                      modules_to_save=["lm_head"], task_type="SEQ_2_SEQ_LM"))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert est.weights == base == 4 * 1_018_304  # embeddings 976,704 + encoder 16,672 + decoder 24,928, fp32
+    assert est.adapters == lora.get_memory_footprint() - base == 4 * trainable
+    # by hand: 12 attention blocks (2 encoder self, 2 decoder self, 2 decoder cross) x v, o, each LoRA
+    # r x (32 + 32) = 256; the lm_head copy 32 x 30522
+    assert est.trainable_params == trainable == 12 * 256 + 32 * 30522 == 979_776
+    assert est.gradients == 4 * 979_776  # fp32
+    assert est.optimizer == 8 * 979_776  # AdamW: two fp32 states
+    # activations (activation_bytes): s = 256 + 64 tokens; per layer 2 x s x (16 x 32 + 2 x 4 x s) x 4 B,
+    # 4 layers kept; fp32 logits and their gradient 2 x 4 B x 2 x 64 x 30522
+    per_layer, logits = 2 * 320 * (16 * 32 + 2 * 4 * 320) * 4, 2 * 4 * 2 * 64 * 30522
+    assert est.activations == 4 * per_layer + logits == 62_711_808
+    assert est.total == 4_073_216 + 3_919_104 + 3_919_104 + 7_838_208 + 62_711_808
+
+    def terms(*sets: str) -> memory.Estimate:
+        return fit.estimate_pipeline(load_pipeline("tiny-billsum", ["quantization.compute_dtype=float32", *sets]))
+
+    assert terms("train.optimizer=paged_adamw_8bit").optimizer == 2 * 979_776  # 8-bit states: 2 bytes
+    assert terms("train.micro_batch_size=8").activations == 4 * (4 * per_layer + logits)
+    # checkpointing: every layer's input (2 x s x 32 x 4 B) plus one layer's worth
+    assert terms("train.gradient_checkpointing=true").activations == 4 * 2 * 320 * 32 * 4 + per_layer + logits
+    # a deep model without the logits term, bf16: 24 layers, 4 x 512 tokens
     deep = SimpleNamespace(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, vocab_size=0)
-    full = memory.activation_bytes(deep, 4, 512, None, 2, checkpointing=False)
-    assert full == 24 * 4 * 512 * (16 * 1024 + 2 * 16 * 512) * 2
-    assert memory.activation_bytes(deep, 4, 512, None, 2, checkpointing=True) < 0.15 * full
+    layer = 4 * 512 * (16 * 1024 + 2 * 16 * 512) * 2
+    assert memory.activation_bytes(deep, 4, 512, None, 2, checkpointing=False) == 24 * layer == 3_221_225_472
+    assert memory.activation_bytes(deep, 4, 512, None, 2, checkpointing=True) == 24 * 4 * 512 * 1024 * 2 + layer
 
 
 def test_check_fits_names_the_knobs():
     memory.check_fits(10, "x", free=100, device="dev")
     with pytest.raises(ConfigError) as e:
-        memory.check_fits(3 * 2**30, "pipeline p", free=2**30, device="GPU test")
+        memory.check_fits(3_000_000_000, "pipeline p", free=1_070_000_000, device="GPU test")
     msg = str(e.value)
-    assert "3.00 GiB" in msg and "1.00 GiB" in msg and "GPU test" in msg
+    assert "estimated 3.00 GB but GPU test has 1.07 GB free" in msg
     for knob in ("quantization.mode=4bit", "train.micro_batch_size", "gradient_accumulation_steps",
                  "train.gradient_checkpointing=true"):
         assert knob in msg

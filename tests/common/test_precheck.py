@@ -16,12 +16,12 @@ SMALL = ("data.subset={train: 16, validation: 4, test: 4}",)
 
 def test_training_that_cannot_fit_stops_before_loading(store_dir, monkeypatch):
     real = psutil.virtual_memory
-    tiny = lambda: SimpleNamespace(available=1 << 20)  # noqa: E731  (1 MiB of free RAM)
+    tiny = lambda: SimpleNamespace(available=1_000_000)  # noqa: E731  (1 MB of free RAM)
     monkeypatch.setattr(psutil, "virtual_memory", tiny)
     with pytest.raises(ConfigError) as exc:
         run("tiny-imdb", *SMALL, until="model")
     msg = str(exc.value)
-    assert "pipeline tiny-imdb: estimated" in msg and "CPU RAM has 0.00 GiB free" in msg and "accumulation" in msg
+    assert "pipeline tiny-imdb: estimated" in msg and "CPU RAM has 1.00 MB free" in msg and "accumulation" in msg
     assert not (store_dir / "model").exists()
     # with room, the same run goes through; once cached, no estimate is made
     monkeypatch.setattr(psutil, "virtual_memory", real)

@@ -245,3 +245,37 @@ def test_artifact_builders(tmp_path):
     assert export_rows(export) == [
         {"path": str(tmp_path / "export" / "README.md"), "files": 1, "size_bytes": 7},
         {"path": str(tmp_path / "export" / "adapter"), "files": 2, "size_bytes": 105}]
+
+
+def test_serve_stops_within_seconds_of_ctrl_c_after_a_failed_run(server):
+    """A run that fails on a user error shows one line in serve's console (no traceback), and Ctrl-C then
+    stops serving within 15 s (the goal is 10: the clock starts at the signal)."""
+    serve = start_serve(server, "serve-failed")
+    try:
+        missing = {"data.source": "local", "data.path": "/nonexistent/reviews.csv"}
+        res = subprocess.run([str(BIN / "prefect"), "deployment", "run", f"finetune/{PIPELINE}", "-p",
+                              f"overrides={json.dumps(missing)}", "--watch", "--watch-timeout", "300"], cwd=ROOT,
+                             env=server["env"], capture_output=True, text=True, timeout=330, start_new_session=True)
+        out = res.stdout + res.stderr
+        assert "Flow run finished in state 'Failed'" in out, out[-3000:]
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        flow_run = httpx.get(f"{server['api']}/flow_runs/{run_id}", timeout=30).json()
+        assert flow_run["state"]["type"] == "FAILED"
+        assert flow_run["state"]["message"].startswith("MissingInputError: data.path /nonexistent/reviews.csv: no such")
+        wait_until("the failure in serve's console", lambda: "MissingInputError" in serve.output(), 30, serve)
+        time.sleep(2)  # the flow-run process has exited; serve is idle again
+        console = serve.output()
+        assert "Traceback" not in console, console[-3000:]
+        assert len([ln for ln in console.splitlines() if "MissingInputError" in ln]) == 1, console[-3000:]
+
+        t0 = time.monotonic()
+        os.kill(serve.p.pid, signal.SIGINT)
+        try:
+            rc = serve.p.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"flows.serve still running 15 s after Ctrl-C:\n{serve.output()[-3000:]}")
+        print(f"flows.serve exited {time.monotonic() - t0:.1f} s after Ctrl-C")
+        assert rc == 0, serve.output()[-3000:]
+        assert "flows.serve: stopped" in serve.output()
+    finally:
+        serve.stop()

@@ -16,7 +16,7 @@ from helpers import SHARED_DATA, needs_shared_data, run
 from stages import data as data_stage
 from stages.common import arrow
 from stages.engine.config import load_pipeline
-from stages.engine.errors import DataError, HubUnreachableError, MissingInputError
+from stages.engine.errors import ConfigError, DataError, HubUnreachableError, MissingInputError
 
 
 def sha(path: Path) -> str:
@@ -158,7 +158,8 @@ def test_acl_imdb_folder_and_tarball_keep_article_order(tmp_path, store_dir):
 
 @pytest.mark.parametrize("sets,error,message", [
     (["data.text_column=body"], MissingInputError, "split has no column 'body' (columns: review, sentiment); set data.text_column"),
-    (["model.num_labels=2", "data.label_column=review"], DataError, "label(s) outside 0..1"),
+    (["model.num_labels=2", "data.label_column=review"], ConfigError,
+     "model.num_labels is 2 but the labels of data.label_column 'review' are 30 names (review number 0 , "),
     (["data.split={mode: source, seed: 3, test: 2, validation: 28}"], DataError,
      "data.split.validation asks for 28 rows but train has only 28; lower it"),
     (["data.path=/nonexistent/reviews.csv"], MissingInputError, "data.path /nonexistent/reviews.csv: no such file"),
@@ -191,3 +192,100 @@ def test_hub_unreachable_fails_within_a_second_with_the_fix(store_dir, monkeypat
         data_stage.load_source(cfg)
     assert time.monotonic() - t0 < 1.5
     assert "dataset stanfordnlp/imdb" in str(exc.value) and "FINETUNE_DATA_MIRROR" in str(exc.value)
+
+
+# ------------------------------------------------------------- label names
+
+
+def real_reviews(tmp_path: Path, n: int = 60, names: tuple[str, ...] = ("neg", "pos")) -> tuple[Path, pd.DataFrame]:
+    """A local CSV of real IMDB reviews whose labels are names (label i of the mirror -> names[i])."""
+    df = pd.read_csv(SHARED_DATA / "imdb" / "test.csv.gz", keep_default_na=False).iloc[12500 - n // 2: 12500 + n // 2]
+    df = pd.DataFrame({"review": df["text"].str[:400], "sentiment": [names[v] for v in df["label"]]})
+    path = tmp_path / "reviews.csv"
+    df.to_csv(path, index=False)
+    return path, df.reset_index(drop=True)
+
+
+@needs_shared_data
+def test_string_labels_map_to_sorted_ids_with_num_labels_inferred_end_to_end(tmp_path, store_dir):
+    """pos/neg labels of a local CSV: ids by sorted name, num_labels inferred; the model's config, the
+    exported model and card, and predictions.jsonl carry the names."""
+    import json
+
+    path, df = real_reviews(tmp_path)
+    out = run("tiny-imdb", *LOCAL, f"data.path={path}", "model.num_labels=null", "train.max_steps=2")
+    data = out["data"]
+    assert data.manifest["metrics"]["label_names"] == ["neg", "pos"]
+    assert data.manifest["config"]["data"]["label_names"] == ["neg", "pos"]  # the data key covers the names
+    for split in ("train", "validation", "test"):
+        t = arrow.read_split(data.path, split).to_pandas()
+        by_text = dict(zip(df["review"], df["sentiment"], strict=True))
+        assert t["label"].tolist() == [["neg", "pos"].index(by_text[x]) for x in t["text"]]
+    model_config = json.loads((out["model"].path / "model" / "config.json").read_text())
+    assert model_config["id2label"] == {"0": "neg", "1": "pos"} and model_config["label2id"] == {"neg": 0, "pos": 1}
+    assert out["model"].manifest["config"]["model"]["num_labels"] == 2  # inferred, and in the model key
+
+    exported = json.loads((out["export"].path / "model" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "neg", "1": "pos"}
+    assert "| 0 | neg |\n| 1 | pos |" in (out["export"].path / "README.md").read_text()
+    preds = [json.loads(ln) for ln in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
+    test = arrow.read_split(data.path, "test").to_pandas()
+    assert [p["reference"] for p in preds] == [by_text[x] for x in test["text"]]
+    assert all(p["prediction"] == ["neg", "pos"][p["prediction_id"]] for p in preds)
+
+    # naming the classes differently is another head: the model stage reruns, its config carries the names
+    again = run("tiny-imdb", *LOCAL, f"data.path={path}", "model.num_labels=null", "data.label_names=[neg, pos]",
+                until="model")
+    assert not again["data"].computed and not again["model"].computed  # the same names: the same keys
+    renamed = tmp_path / "renamed.csv"
+    df.assign(sentiment=df["sentiment"].map({"neg": "bad", "pos": "good"})).to_csv(renamed, index=False)
+    other = run("tiny-imdb", *LOCAL, f"data.path={renamed}", "model.num_labels=null", until="model")
+    assert other["model"].computed and other["model"].key != out["model"].key
+    assert json.loads((other["model"].path / "model" / "config.json").read_text())["id2label"] == {"0": "bad",
+                                                                                                   "1": "good"}
+
+
+@needs_shared_data
+def test_three_string_classes_give_three_labels(tmp_path, store_dir):
+    path, df = real_reviews(tmp_path, 30, ("negative", "positive"))
+    df.loc[::3, "sentiment"] = "mixed"
+    df.to_csv(path, index=False)
+    o = run("tiny-imdb", *LOCAL, f"data.path={path}", "model.num_labels=null", until="data")["data"]
+    assert o.manifest["metrics"]["label_names"] == ["mixed", "negative", "positive"]
+    assert o.manifest["config"]["model.num_labels"] == 3
+    counts = df["sentiment"].value_counts()
+    labels = {split: arrow.read_split(o.path, split).column("label").to_pylist() for split in ("train", "validation", "test")}
+    assert sum(x.count(0) for x in labels.values()) == counts["mixed"]
+    assert sum(x.count(2) for x in labels.values()) == counts["positive"]
+
+
+def test_label_outside_the_named_classes_or_ids_is_a_clear_error(tmp_path, store_dir):
+    path = write_local(tmp_path, "csv")
+    df = pd.read_csv(path)
+    df.loc[5, "sentiment"] = 2  # an id beyond num_labels 2: today's clear error
+    df.to_csv(path, index=False)
+    with pytest.raises(DataError, match=r"1 label\(s\) outside 0..1 \(first: 2\); fix the data or set model.num_labels"):
+        run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")
+    # inferred from the ids instead: 3 classes
+    o = run("tiny-imdb", *LOCAL, f"data.path={path}", "model.num_labels=null", until="data")["data"]
+    assert o.manifest["config"]["model.num_labels"] == 3 and "label_names" not in o.manifest["metrics"]
+
+    df["sentiment"] = ["pos", "neg", "meh"] * 10
+    df.to_csv(path, index=False)
+    with pytest.raises(DataError, match=r"label\(s\) not in data.label_names \['neg', 'pos'\] \(first: 'meh'\)"):
+        run("tiny-imdb", *LOCAL, f"data.path={path}", "data.label_names=[neg, pos]", until="data")
+    with pytest.raises(ConfigError, match="model.num_labels is 3 but the labels of data.label_column 'sentiment' "
+                                          "are 2 names"):
+        run("tiny-imdb", *LOCAL, f"data.path={path}", "data.label_names=[neg, pos]", "model.num_labels=3",
+            until="data")
+    assert [d.name for d in (store_dir / "data").iterdir()] == [o.key]  # the failures wrote nothing
+
+
+def test_imdb_and_acl_imdb_name_their_labels_neg_pos(tmp_path, store_dir):
+    make_acl(tmp_path / "aclImdb")
+    sets = ["data.source=local", "data.split={mode: shuffle_concat, seed: 1, train: 6, validation: 2, test: 4}",
+            "data.subset=null", "model.num_labels=null"]
+    o = run("tiny-imdb", *sets, f"data.path={tmp_path / 'aclImdb'}", until="data")["data"]
+    assert o.manifest["metrics"]["label_names"] == ["neg", "pos"]
+    cfg = load_pipeline("tiny-imdb")
+    assert data_stage.resolve_labels(cfg).data.label_names == ["neg", "pos"]

@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
+from stages.common.checkpoint import checkpoints, latest_checkpoint
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
@@ -119,10 +118,28 @@ def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog):
     assert {"optimizer", "scheduler", "scaler", "rng"} <= state.keys()
 
 
-def test_progress_from_an_older_checkpoint_without_first_loss_loads():
-    old = {k: v for k, v in asdict(TrainingProgress(step=5, epoch=1)).items() if k != "first_loss"}
-    progress = TrainingProgress(**json.loads(json.dumps(old)))
-    assert progress.step == 5 and progress.first_loss is None
+def test_resume_from_an_older_checkpoint_without_first_loss(tmp_path, caplog):
+    """A checkpoint written before progress.json had first_loss: the run resumes from it, ends with the
+    uninterrupted run's weights and reports the first loss it saw itself (step 3's)."""
+    kw = {"checkpoint_every": 2, "max_steps": 6}
+    losses: dict[int, float] = {}
+    _, ref = train(tmp_path / "w0", tmp_path / "o0", lambda step, loss: losses.setdefault(step, loss), **kw)
+
+    def crash(step, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "w1", tmp_path / "o1", crash, **kw)
+    progress_file = latest_checkpoint(tmp_path / "w1" / "checkpoints") / "progress.json"
+    older = json.loads(progress_file.read_text())
+    assert older.pop("first_loss") == losses[1]
+    progress_file.write_text(json.dumps(older))
+    with caplog.at_level(logging.INFO, logger="test.resume"):
+        m, got = train(tmp_path / "w1", tmp_path / "o1", **kw)
+    assert any("resumed from step 2 " in r.message for r in caplog.records)
+    assert max_diff(ref, got) <= 1e-6
+    assert m["first_loss"] == losses[3]
 
 
 def test_incomplete_checkpoints_are_ignored(tmp_path):

@@ -12,7 +12,9 @@ from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier,
 
 from stages.common.batching import collate
 from stages.common.checkpoint import checkpoints
-from stages.train import Rows, accumulate_window, lr_factor, train_model
+from stages.common.optim import lr_factor
+from stages.common.splits import Rows
+from stages.train import accumulate_window, train_model
 
 log = logging.getLogger("test.train")
 
@@ -177,8 +179,8 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
 
 
 def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
+    from stages.common.device import resolve_precision
     from stages.engine.errors import ConfigError
-    from stages.train import resolve_precision
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert resolve_precision("auto", cpu) == "no"  # bf16 matmuls are ~80x slower on these CPUs

@@ -1,0 +1,410 @@
+"""A sweep's variants side by side, from what the store holds (no Prefect, no tensors).
+
+compare: one row per variant — the parameters that differ, the evaluation metrics (mean ± sd over seeds),
+train time, real tokens/s, footprint, trainable parameters, the stages it shares with other runs of the
+sweep — ranked by the sweep's metric; variants not yet run are listed as such. A run whose artifacts exist
+only for an earlier code or library version (same parameters all the way up) is shown with those results,
+marked `stale`. The sweep's folder of the store (sweeps/<name>/) gets the table, the runs as CSV and JSON,
+and a chart: the metric per variant and the loss curves overlaid.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flows.variants import Run, Sweep, fmt, short_names
+from stages.engine.remote_store import RemoteStore
+from stages.engine.schema import PipelineConfig
+from stages.engine.status import changed_params
+from stages.engine.store import StageKey, Store
+from stages.graph import plan
+
+DONE, STALE, NOT_RUN = "done", "stale", "not run"
+
+
+@dataclass
+class RunResult:
+    label: str
+    seed: int | None
+    status: str  # done / stale (results of an earlier code or library version) / not run
+    metrics: dict[str, float] = field(default_factory=dict)  # SPLIT.METRIC of the evaluate stage
+    train_s: float | None = None
+    tokens_per_s: float | None = None
+    steps: int | None = None
+    final_loss: float | None = None
+    footprint_bytes: int | None = None
+    trainable: int | None = None
+    trainable_percent: float | None = None
+    shared: list[str] = field(default_factory=list)  # stages whose key other runs of the sweep have too
+    keys: dict[str, str] = field(default_factory=dict)  # stage -> key (the artifact shown)
+    missing: list[str] = field(default_factory=list)  # stages with no artifact for this config
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    params: dict[str, Any]  # every key that differs between variants -> this variant's value
+    runs: list[RunResult]
+    metric: str
+    rank: int | None = None
+
+    def values(self, metric: str | None = None) -> list[float]:
+        m = metric or self.metric
+        return [r.metrics[m] for r in self.runs if r.status != NOT_RUN and m in r.metrics]
+
+    def mean(self, metric: str | None = None) -> float | None:
+        v = self.values(metric)
+        return statistics.fmean(v) if v else None
+
+    def sd(self, metric: str | None = None) -> float | None:
+        v = self.values(metric)
+        return statistics.stdev(v) if len(v) > 1 else None
+
+    def status(self) -> str:
+        states = {r.status for r in self.runs}
+        if states == {DONE}:
+            return DONE
+        done = sum(r.status != NOT_RUN for r in self.runs)
+        return (STALE if NOT_RUN not in states else f"{done} of {len(self.runs)} run") if done else NOT_RUN
+
+    def to_json(self) -> dict[str, Any]:
+        return {"variant": self.variant, "rank": self.rank, "params": self.params, "status": self.status(),
+                "n": len(self.values()), "mean": self.mean(), "sd": self.sd(),
+                "runs": [asdict(r) for r in self.runs]}
+
+
+@dataclass
+class Comparison:
+    sweep: Sweep
+    variants: list[VariantResult]  # ranked: best first, variants without results last
+    baseline: str  # the sweep's first variant: paired differences are taken against it
+
+    def paired_gap(self, v: VariantResult) -> tuple[float, float | None, int] | None:
+        """mean, sd and count of (this variant - baseline) over the seeds both have results for."""
+        base = next(x for x in self.variants if x.variant == self.baseline)
+        m = self.sweep.config.metric
+        b = {r.seed: r.metrics[m] for r in base.runs if r.status != NOT_RUN and m in r.metrics}
+        d = [r.metrics[m] - b[r.seed] for r in v.runs if r.status != NOT_RUN and m in r.metrics and r.seed in b]
+        if v is base or not d:
+            return None
+        return statistics.fmean(d), (statistics.stdev(d) if len(d) > 1 else None), len(d)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.sweep.config
+        return {"sweep": c.name, "pipeline": c.pipeline, "description": c.description, "metric": c.metric,
+                "mode": c.mode, "seeds": c.seeds, "baseline": self.baseline,
+                "variants": [{**v.to_json(), "vs_baseline": self.paired_gap(v)} for v in self.variants]}
+
+
+# ---------------------------------------------------------------- reading the store
+
+
+def evaluate_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """The evaluate stage's metrics as {SPLIT.METRIC: number} (the confusion matrix and other lists left out)."""
+    splits = (metrics or {}).get("splits") or {}
+    return {f"{split}.{k}": v for split, values in splits.items() if isinstance(values, dict)
+            for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class Finder:
+    """Finds, for a planned key that is not in the store, an artifact made from the same parameters all the
+    way up (only code or library versions differ): the results a variant had before the code changed."""
+
+    def __init__(self, store: Store | RemoteStore):
+        self.store = store
+        self.by_stage: dict[str, list[tuple[str, dict]]] = {}
+        for stage, key, _ in store.entries():
+            if (m := store.read_manifest(stage, key)) is not None:
+                self.by_stage.setdefault(stage, []).append((key, m))
+
+    def stale_match(self, stage: str, planned: dict[str, StageKey]) -> str | None:
+        best = None
+        for key, m in self.by_stage.get(stage, []):
+            if self._same_params(stage, key, m, planned) and (best is None or m.get("finished_at", "") > best[0]):
+                best = (m.get("finished_at", ""), key)
+        return best[1] if best else None
+
+    def _same_params(self, stage: str, key: str, m: dict, planned: dict[str, StageKey]) -> bool:
+        inputs = m.get("key_inputs") or {}
+        old = inputs.get("params") or {}
+        # a field added to the schema since (absent from the old key) is taken to have kept its default's behaviour
+        if any(_present(old, k) for k in changed_params(old, planned[stage].params)):
+            return False
+        for up, up_key in (inputs.get("upstream") or {}).items():
+            um = self.store.read_manifest(up, up_key)
+            if up not in planned or um is None or not self._same_params(up, up_key, um, planned):
+                return False
+        return True
+
+
+def _present(params: dict[str, Any], dotted: str, prefix: str = "") -> bool:
+    """Whether a key's params (reads -> values, e.g. {"train": {...}, "model.task": ...}) hold `dotted`."""
+    for k, v in params.items():
+        key = f"{prefix}{k}"
+        if key == dotted or (isinstance(v, dict) and dotted.startswith(key + ".") and _present(v, dotted, key + ".")):
+            return True
+    return False
+
+
+def artifacts(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) -> dict[str, tuple[str, dict]]:
+    """stage -> (key, manifest) of the artifact each stage has for this config: its current key, else one made
+    from the same parameters by earlier code (stale); a stage with neither is left out."""
+    out = {}
+    for stage, sk in planned.items():
+        key = sk.key if not store.problems(stage, sk.key) else finder.stale_match(stage, planned)
+        if key is not None:
+            out[stage] = (key, store.read_manifest(stage, key) or {})
+    return out
+
+
+def run_result(run: Run, store: Store | RemoteStore, finder: Finder, shared_keys: dict[tuple[str, str], int]) \
+        -> RunResult:
+    planned = {p.key.stage: p.key for p in plan(run.cfg)}
+    res = RunResult(label=run.label, seed=run.seed, status=NOT_RUN)
+    found = artifacts(planned, store, finder)
+    res.keys = {stage: key for stage, (key, _) in found.items()}
+    res.missing = [stage for stage in planned if stage not in found]
+    manifests = {stage: m for stage, (_, m) in found.items()}
+    res.shared = [s for s, sk in planned.items() if shared_keys.get((s, sk.key), 0) > 1]
+    ev = manifests.get("evaluate")
+    if ev is not None:
+        res.status = DONE if res.keys["evaluate"] == planned["evaluate"].key else STALE
+        res.metrics = evaluate_metrics(ev.get("metrics"))
+    tr = manifests.get("train")
+    if tr is not None:
+        tm = tr.get("metrics") or {}
+        res.train_s, res.tokens_per_s = tr.get("duration_s"), tm.get("tokens_per_s")
+        res.steps, res.final_loss = tm.get("steps"), tm.get("final_loss")
+    am, mm = (manifests.get("adapters") or {}).get("metrics") or {}, (manifests.get("model") or {}).get("metrics") or {}
+    res.footprint_bytes = am.get("footprint_bytes") or mm.get("footprint_bytes")
+    res.trainable, res.trainable_percent = am.get("trainable"), am.get("percent")
+    return res
+
+
+def param_value(cfg: PipelineConfig, dotted: str) -> Any:
+    value: Any = cfg.model_dump(mode="json")
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def compare(sw: Sweep, store: Store | RemoteStore) -> Comparison:
+    finder = Finder(store)
+    plans = {r.label: plan(r.cfg) for r in sw.runs}
+    shared: dict[tuple[str, str], int] = {}
+    for items in plans.values():
+        for i in items:
+            shared[(i.key.stage, i.key.key)] = shared.get((i.key.stage, i.key.key), 0) + 1
+    keys = list(dict.fromkeys(k for r in sw.runs for k in r.params))
+    variants: list[VariantResult] = []
+    for name in sw.variants():
+        runs = [r for r in sw.runs if r.variant == name]
+        variants.append(VariantResult(name, {k: param_value(runs[0].cfg, k) for k in keys},
+                                      [run_result(r, store, finder, shared) for r in runs], sw.config.metric))
+    baseline = variants[0].variant
+    sign = -1 if sw.config.mode == "max" else 1
+    ranked = sorted(variants, key=lambda v: (v.mean() is None, sign * (v.mean() or 0)))
+    for i, v in enumerate(ranked):
+        v.rank = i + 1 if v.mean() is not None else None
+    return Comparison(sw, ranked, baseline)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _pm(mean: float | None, sd: float | None, pct: bool) -> str:
+    if mean is None:
+        return "-"
+    scale, unit = (100, "%") if pct else (1, "")
+    text = f"{scale * mean:.1f}{unit}" if pct else f"{mean:.4g}"
+    return text + (f" ± {scale * sd:.1f}" if pct and sd is not None else f" ± {sd:.2g}" if sd is not None else "")
+
+
+def _gap(gap: tuple[float, float | None, int] | None, pct: bool) -> str:
+    """A paired difference: +6.6 ± 1.2 points (shares), +0.012 ± 0.003 (others)."""
+    if gap is None:
+        return "-"
+    mean, sd, _ = gap
+    if pct:
+        return f"{100 * mean:+.1f}" + (f" ± {100 * sd:.1f}" if sd is not None else "") + " points"
+    return f"{mean:+.4g}" + (f" ± {sd:.2g}" if sd is not None else "")
+
+
+def _is_share(metric: str) -> bool:
+    return metric.rsplit(".", 1)[-1] in ("accuracy", "macro_f1", "f1", "precision", "recall")
+
+
+def _avg(runs: list[RunResult], attr: str) -> float | None:
+    v = [getattr(r, attr) for r in runs if getattr(r, attr) is not None]
+    return statistics.fmean(v) if v else None
+
+
+def table_rows(c: Comparison) -> list[dict[str, Any]]:
+    """One dict per variant, ranked: what the text table, the CSV summary and the Prefect table artifact show."""
+    m = c.sweep.config.metric
+    others = sorted({k for v in c.variants for r in v.runs for k in r.metrics} - {m})
+    names = short_names(list(c.variants[0].params)) if c.variants else {}
+    rows = []
+    for v in c.variants:
+        gap = c.paired_gap(v)
+        pct = _is_share(m)
+        row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: fmt(val) for k, val in v.params.items()},
+                               "seeds": f"{len(v.values())}/{len(v.runs)}" if c.sweep.config.seeds else
+                               len(v.values()),
+                               m: _pm(v.mean(), v.sd(), pct)}
+        if len(c.variants) > 1:
+            row[f"vs {c.baseline}"] = ("baseline" if v.variant == c.baseline else _gap(gap, pct))
+        for k in others:
+            if k.rsplit(".", 1)[-1] in ("examples", "loss", "perplexity", "tokens"):
+                continue
+            row[k] = _pm(v.mean(k), None, _is_share(k))
+        train_s, tps = _avg(v.runs, "train_s"), _avg(v.runs, "tokens_per_s")
+        row["train s"] = f"{train_s:.0f}" if train_s is not None else "-"
+        row["real tokens/s"] = f"{tps:.0f}" if tps is not None else "-"
+        fp = _avg(v.runs, "footprint_bytes")
+        row["footprint"] = f"{fp / 1e6:.1f} MB" if fp else "-"
+        tr = v.runs[0].trainable
+        row["trainable"] = f"{tr:,} ({v.runs[0].trainable_percent:.2f}%)" if tr and v.runs[0].trainable_percent \
+            else (f"{tr:,}" if tr else "-")
+        shared = sorted(set.intersection(*(set(r.shared) for r in v.runs)), key=_stage_order)
+        row["shared"] = ",".join(shared) or "-"
+        row["status"] = v.status()
+        rows.append(row)
+    return rows
+
+
+def _stage_order(stage: str) -> int:
+    order = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
+    return order.index(stage) if stage in order else len(order)
+
+
+def render(c: Comparison) -> str:
+    """The comparison as a markdown table (it reads in a terminal and pastes into a README)."""
+    cfg = c.sweep.config
+    rows = table_rows(c)
+    head = (f"sweep {cfg.name}: {cfg.description or cfg.pipeline}; ranked by {cfg.metric} ({cfg.mode})"
+            + (f", mean ± sd over seeds {', '.join(map(str, cfg.seeds))}" if cfg.seeds else ""))
+    if not rows:
+        return head
+    cols = list(rows[0])
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in cols) + " |" for r in rows]
+    gaps = [(v, g) for v in c.variants if (g := c.paired_gap(v))]
+    if gaps:
+        lines.append("")
+        pct = _is_share(cfg.metric)
+        for v, g in gaps:
+            lines.append(f"{v.variant} - {c.baseline}: {_gap(g, pct)} ({cfg.metric}, paired by seed, n={g[2]})")
+    return "\n".join(lines)
+
+
+def runs_csv(c: Comparison) -> str:
+    """One line per run (variant x seed), every metric."""
+    metrics = sorted({k for v in c.variants for r in v.runs for k in r.metrics})
+    params = list(c.variants[0].params) if c.variants else []
+    cols = ["variant", *params, "seed", "status", *metrics, "train_s", "tokens_per_s", "steps", "final_loss",
+            "footprint_bytes", "trainable", "shared"]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for v in c.variants:
+        for r in v.runs:
+            w.writerow([v.variant, *(json.dumps(v.params[p]) if isinstance(v.params[p], dict | list) else
+                                     v.params[p] for p in params), r.seed, r.status,
+                        *(r.metrics.get(m, "") for m in metrics), r.train_s, r.tokens_per_s, r.steps, r.final_loss,
+                        r.footprint_bytes, r.trainable, " ".join(r.shared)])
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- the sweep's folder: files and the chart
+
+
+def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
+    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
+    local = store.local if isinstance(store, RemoteStore) else store
+    return local.root / "sweeps" / name
+
+
+def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
+    folder = sweep_dir(store, c.sweep.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"table": folder / "comparison.md", "json": folder / "comparison.json", "csv": folder / "runs.csv",
+             "chart": folder / "chart.png"}
+    files["table"].write_text(render(c) + "\n")
+    files["json"].write_text(json.dumps(c.to_json(), indent=2, default=str))
+    files["csv"].write_text(runs_csv(c))
+    plot(c, store, files["chart"])
+    return files
+
+
+def loss_curve(folder: Path) -> list[tuple[int, float]]:
+    path = folder / "metrics.jsonl"
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("kind", "train") == "train" and isinstance(rec.get("loss"), int | float):
+                out.append((rec["step"], rec["loss"]))
+    return out
+
+
+def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
+    """Left: the metric per variant (mean, sd bar, one dot per seed). Right: every run's training loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = c.sweep.config.metric
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, v in enumerate(c.variants):
+        color = colors[i % len(colors)]
+        vals = v.values()
+        if vals:
+            ax1.bar(i, v.mean(), yerr=v.sd() or 0, color=color, alpha=0.6, capsize=4)
+            ax1.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
+            ax1.annotate(f"{_pm(v.mean(), v.sd(), _is_share(m))} (n={len(vals)})", (i, max(vals)),
+                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+        for r in v.runs:
+            if "train" in r.keys:
+                curve = loss_curve(store.artifact_dir("train", r.keys["train"]))
+                if curve:
+                    ax2.plot(*zip(*curve, strict=True), color=color, alpha=0.7, linewidth=1,
+                             label=v.variant if r is v.runs[0] else None)
+    ax1.set_xticks(range(len(c.variants)), [v.variant for v in c.variants], rotation=20, ha="right", fontsize=8)
+    ax1.set_ylabel(m)
+    done = [x for v in c.variants for x in v.values()]
+    if done:
+        lo, hi = min(done), max(done)
+        ax1.set_ylim(lo - 0.2 * (hi - lo + 1e-3) - 0.01, hi + 0.2 * (hi - lo + 1e-3) + 0.01)
+    ax1.set_title(f"{c.sweep.name}: {m} per variant")
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("training loss")
+    ax2.set_title("loss curves")
+    if ax2.lines:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def chart_markdown(c: Comparison, files: dict[str, Path]) -> str:
+    import base64
+
+    png = files["chart"]
+    lines = [f"### sweep {c.sweep.name}", "", render(c), ""]
+    if png.is_file() and png.stat().st_size < 300_000:
+        lines += [f"![{c.sweep.config.metric} per variant, loss curves]"
+                  f"(data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
+    lines += [f"chart: `{png}`", f"table: `{files['table']}` · runs: `{files['csv']}` · `{files['json']}`"]
+    return "\n".join(lines)

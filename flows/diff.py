@@ -1,0 +1,90 @@
+"""Two pipeline configs side by side (no Prefect, no tensors): which stages they share and which differ and
+why (`changed params: train.lr`, `changed upstream: train`), param by param and metric by metric from the
+store, the way `dvc params diff` / `dvc metrics diff` read. `python -m flows.inspect diff A B`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flows.compare import Finder, artifacts, evaluate_metrics
+from flows.variants import fmt
+from stages.engine.remote_store import RemoteStore
+from stages.engine.schema import PipelineConfig
+from stages.engine.status import changed_params, why_changed
+from stages.engine.store import StageKey, Store
+from stages.graph import plan
+
+
+def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> dict[str, Any]:
+    """Stages shared or differing (and why), parameters and metrics that differ, from the store."""
+    pa, pb = {p.key.stage: p.key for p in plan(a)}, {p.key.stage: p.key for p in plan(b)}
+    stages = []
+    for name, ka in pa.items():
+        kb = pb[name]
+        why = [] if ka.key == kb.key else why_changed({**ka.key_inputs(), "code_objects": list(ka.code_objects)}, kb)
+        stages.append({"stage": name, "shared": ka.key == kb.key, "a": ka.key, "b": kb.key, "why": why,
+                       "a_in_store": not store.problems(name, ka.key), "b_in_store": not store.problems(name, kb.key)})
+    da, db = _flatten(_sections(a)), _flatten(_sections(b))
+    params = [{"param": k, "a": da.get(k), "b": db.get(k)} for k in changed_params(_sections(a), _sections(b))]
+    finder = Finder(store)
+    ma, mb = _stored_metrics(pa, store, finder), _stored_metrics(pb, store, finder)
+    metrics = []
+    for k in sorted(ma.keys() | mb.keys()):
+        (va, sa), (vb, sb) = ma.get(k, (None, False)), mb.get(k, (None, False))
+        if va == vb and va is not None and not k.startswith(("evaluate.", "train.final")):
+            continue  # the same number from a shared stage
+        metrics.append({"metric": k, "a": va, "b": vb, "a_stale": sa, "b_stale": sb,
+                        "change": vb - va if isinstance(va, int | float) and isinstance(vb, int | float) else None})
+    return {"a": {"pipeline": a.name, "overrides": a.overrides}, "b": {"pipeline": b.name, "overrides": b.overrides},
+            "stages": stages, "params": params, "metrics": metrics}
+
+
+def _sections(cfg: PipelineConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json", exclude={"name", "description", "extends", "overrides"})
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _stored_metrics(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) \
+        -> dict[str, tuple[float, bool]]:
+    """metric -> (value, stale): the evaluate stage's and a few of train's, from the artifacts this config has."""
+    out: dict[str, tuple[float, bool]] = {}
+    for stage, (key, m) in artifacts(planned, store, finder).items():
+        metrics, stale = m.get("metrics") or {}, key != planned[stage].key
+        if stage == "evaluate":
+            out.update({f"evaluate.{k}": (v, stale) for k, v in evaluate_metrics(metrics).items()})
+        elif stage == "train":
+            out.update({f"train.{k}": (metrics[k], stale) for k in ("final_loss", "steps", "tokens_per_s",
+                                                                     "train_seconds")
+                        if isinstance(metrics.get(k), int | float)})
+    return out
+
+
+def render_diff(d: dict[str, Any]) -> str:
+    def side(s: dict[str, Any]) -> str:
+        return s["pipeline"] + "".join(f" --set {o}" for o in s["overrides"])
+
+    lines = [f"A: {side(d['a'])}", f"B: {side(d['b'])}", "", "stages:"]
+    for s in d["stages"]:
+        state = f"shared    {s['a'][:12]}" if s["shared"] else f"differs   {s['a'][:12]} -> {s['b'][:12]}"
+        lines.append(f"  {s['stage']:<9} {state}")
+        lines += [f"              {w}" for w in s["why"]]
+    lines += ["", "params:" if d["params"] else "params: identical"]
+    lines += [f"  {p['param']:<40} {fmt(p['a']):>14} -> {fmt(p['b'])}" for p in d["params"]]
+    lines += ["", "metrics (from the store; - = not run, * = stale: made by earlier code):" if d["metrics"]
+              else "metrics: none in the store"]
+    for m in d["metrics"]:
+        va, vb = ("-" if v is None else fmt(v) + ("*" if stale else "")
+                  for v, stale in ((m["a"], m["a_stale"]), (m["b"], m["b_stale"])))
+        change = f"  ({m['change']:+.4g})" if m["change"] is not None else ""
+        lines.append(f"  {m['metric']:<40} {va:>14} -> {vb}{change}")
+    return "\n".join(lines)

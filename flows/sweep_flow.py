@@ -1,0 +1,147 @@
+"""The `sweep` flow: one child flow run of `finetune` (flows/flow.py) per variant and seed, all through the same
+store, at most `parallel` at once. Each child runs in its own process (`run_flow_in_subprocess`): training
+seeds torch's process-wide RNG, so two trainings must never share a process. A stage whose key two runs share
+(data, tokenize, model, adapters when only train.* varies) is computed by the first and a store hit for the
+others; the store's per-key lock makes a second run wait for the first rather than compute it again.
+
+When the runs are done the flow publishes the comparison (flows/compare.py) as a table artifact `sweep-<name>`
+and a chart (metric per variant, loss curves overlaid) as a PNG in the sweep's folder of the store, linked from
+the markdown artifact `sweep-<name>-chart`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.context import TaskRunContext
+from prefect.exceptions import ObjectNotFound
+from prefect.flow_engine import run_flow_in_subprocess
+from prefect.futures import as_completed
+from prefect.states import Failed, State
+
+from flows import compare
+from flows.artifacts import artifact_key
+from flows.flow import finetune
+from flows.variants import Run, Sweep, from_spec, sweep
+from stages.engine.config import DEFAULT_PIPELINE_FILE
+from stages.engine.errors import FinetuneError
+from stages.engine.remote_store import open_store
+
+log = logging.getLogger("finetune.sweep")
+
+
+class ChildRunFailed(Exception):
+    """A variant's child flow run ended in a state other than Completed."""
+
+
+@task(name="variant", cache_policy=NONE)
+def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: bool = False) -> dict[str, Any]:
+    """Create the child flow run (linked to this task run, so the UI nests it under the sweep) and run it in
+    a process of its own, or (on_workers) as a run of the `finetune/<pipeline>` deployment that a work pool's
+    worker picks up; its outcome is the flow run's final state."""
+    params = {"pipeline": run.cfg.name, "overrides": run.overrides, "config": config}
+    if on_workers:
+        from prefect.deployments import run_deployment
+
+        default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
+        fr = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
+                            flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None)
+        return _outcome(run, fr.name, fr.state, None)
+    parent = TaskRunContext.get().task_run.id
+    with get_client(sync_client=True) as client:
+        _wait_for_task_run(client, parent)
+        child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
+                                       parent_task_run_id=parent,
+                                       tags=["sweep", sweep_name])
+    # a context without the parent's settings: the child reaches the same API through PREFECT_API_URL
+    proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
+                                  context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
+                                  env={"PREFECT_API_URL": api_url})
+    try:
+        proc.join()
+    finally:
+        if proc.is_alive():  # the sweep was interrupted: do not leave the child training
+            proc.terminate()
+            proc.join(30)
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(child.id).state
+    return _outcome(run, child.name, state, proc.exitcode)
+
+
+def _outcome(run: Run, flow_run: str, state: State | None, exitcode: int | None) -> dict[str, Any]:
+    if state is not None and state.is_completed():
+        return {"run": run.label, "flow_run": flow_run, "state": state.name, "exitcode": exitcode}
+    if state is None or not state.is_final():  # the process died before the engine recorded an end
+        raise ChildRunFailed(f"its process exited with code {exitcode} while the run was "
+                             f"{state.name if state else 'not started'}; its traceback is in this flow's output")
+    raise ChildRunFailed(f"{state.name}: {state.message}")
+
+
+def _wait_for_task_run(client: Any, task_run_id: Any, timeout_s: float = 60) -> None:
+    """The API records a task run from its events, a moment after the task starts; a child flow run linked
+    to it before then is refused (foreign key)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.read_task_run(task_run_id)
+            return
+        except ObjectNotFound:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@flow(name="sweep", log_prints=True)
+def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dict[str, Any] | None = None,
+              on_workers: bool = False) -> list[dict[str, Any]] | State:
+    """Run the sweep `name` of pipeline.yaml (or `config`), or the ad-hoc sweep `spec` (a sweeps: entry as a
+    mapping: pipeline, grid or variants, set, seeds, metric, mode), at most `parallel` child runs at once.
+    on_workers: each child is a run of the `finetune/<pipeline>` deployment (a work pool spreads them over
+    its workers) instead of a process beside this flow."""
+    config = config or str(DEFAULT_PIPELINE_FILE)
+    try:
+        sw = from_spec(name, spec, config) if spec else sweep(name, config)
+    except FinetuneError as e:
+        return Failed(message=f"{type(e).__name__}: {e}", data=e)
+    with get_client(sync_client=True) as client:
+        api_url = str(client.api_url)
+    print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
+          f"{f' x {len(sw.config.seeds)} seeds' if sw.config.seeds else ''}), {max(1, parallel)} at a time")
+    pending, active, results, failed = list(sw.runs), {}, [], []
+    while pending or active:
+        while pending and len(active) < max(1, parallel):
+            run = pending.pop(0)
+            child = run_child.with_options(task_run_name=run.label)
+            active[child.submit(sw.name, run, config, api_url, on_workers)] = run
+        done = next(iter(as_completed(list(active))))
+        run = active.pop(done)
+        try:
+            results.append(done.result())
+        except Exception as e:  # noqa: BLE001  (a failed child: the others go on, the sweep fails at the end)
+            failed.append(f"{run.label}: {e}")
+    publish(sw)
+    if failed:
+        return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))
+    return results
+
+
+def publish(sw: Sweep) -> None:
+    """The comparison table (`sweep-<name>`), the chart in the store and the markdown linking it. A UI extra:
+    a failure here is a warning, never a failed sweep."""
+    key = artifact_key("sweep", sw.name)
+    try:
+        comparison = compare.compare(sw, open_store())
+        create_table_artifact(table=compare.table_rows(comparison), key=key,
+                              description=f"sweep {sw.name}: {sw.config.description or sw.config.pipeline}, "
+                              f"ranked by {sw.config.metric} ({sw.config.mode})")
+        files = compare.write_outputs(comparison, open_store())
+        create_markdown_artifact(markdown=compare.chart_markdown(comparison, files), key=f"{key}-chart",
+                                 description=f"sweep {sw.name}: {sw.config.metric} per variant, loss curves")
+    except Exception as e:  # noqa: BLE001
+        log.warning("sweep %s: comparison artifacts not published: %s", sw.name, e)

@@ -1,0 +1,290 @@
+"""The code fingerprint covers everything a stage runs, proved by execution.
+
+The small pipelines (classifier and seq2seq; full finetune, LoRA, 4-bit QLoRA with a merged export) run with
+each stage body under a profiler that records every project function called and every project module-level
+name the called code loads (`LOAD_GLOBAL`, `module.attr`). Each one must be covered by that stage's code
+fingerprint. Then every recorded object is edited, in memory, and the stages that ran it must get a new key;
+editing code that no stage can reach (the inspector, serve, the command line …) must change no key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import sys
+import threading
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from helpers import BILLSUM, IMDB, ROOT, needs_shared_data
+
+from stages.engine.codegraph import CodeGraph
+from stages.engine.config import load_pipeline
+from stages.engine.fingerprint import code_fingerprint
+from stages.engine.runner import code_roots, plan, run_pipeline
+from stages.engine.status import why_changed
+from stages.engine.store import Store
+from stages.graph import STAGES
+
+PROJECT_DIRS = tuple(str(ROOT / p) + "/" for p in ("stages", "flows"))
+T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from_config.d_kv=16",
+           "model.from_config.d_ff=128", "evaluate.max_examples=4", "export.merge=true")
+RUNS = {
+    "classifier-full": ("tiny-imdb", IMDB),
+    "classifier-lora": ("tiny-imdb", (*IMDB, "adapters.method=lora", "adapters.target_modules=[query_key_value]",
+                                      "adapters.modules_to_save=[score]")),
+    "seq2seq-lora": ("tiny-billsum", BILLSUM),
+    "seq2seq-qlora-4bit": ("tiny-billsum", (*BILLSUM, *T5_4BIT)),
+}
+
+
+# ---------------------------------------------------------------- an independent view of the source
+
+
+def module_name(filename: str) -> str:
+    rel = Path(filename).resolve().relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+_TREES: dict[str, ast.Module] = {}
+
+
+def tree(module: str) -> ast.Module:
+    if module not in _TREES:
+        path = ROOT.joinpath(*module.split("."))
+        path = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        _TREES[module] = ast.parse(path.read_text())
+    return _TREES[module]
+
+
+def top_level_name(module: str, line: int) -> str | None:
+    """The name bound by the top-level statement that holds `line` (decorators included)."""
+    for stmt in tree(module).body:
+        first = min([stmt.lineno, *[d.lineno for d in getattr(stmt, "decorator_list", [])]])
+        if first <= line <= (stmt.end_lineno or stmt.lineno):
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                return stmt.name
+            if isinstance(stmt, ast.Assign | ast.AnnAssign):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                return next(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            return None
+    return None
+
+
+def origin(module: str, name: str) -> tuple[str, str] | None:
+    """Where a module-level name of a project module is defined, following `from x import name`."""
+    for stmt in tree(module).body:
+        if isinstance(stmt, ast.ImportFrom) and stmt.module and not stmt.level:
+            for alias in stmt.names:
+                if (alias.asname or alias.name) == name:
+                    if stmt.module.split(".")[0] not in ("stages", "flows"):
+                        return None
+                    return origin(stmt.module, alias.name)
+        if isinstance(stmt, ast.Import):
+            if any((a.asname or a.name.split(".")[0]) == name for a in stmt.names):
+                return None  # a module
+    return module, name
+
+
+# ---------------------------------------------------------------- the tracer
+
+
+class Tracer:
+    """Records project code objects called (with the globals they ran in) on every thread."""
+
+    def __init__(self) -> None:
+        self.calls: dict[types.CodeType, dict] = {}
+
+    def _profile(self, frame, event, arg):  # noqa: ANN001
+        if event == "call":
+            code = frame.f_code
+            if code.co_filename.startswith(PROJECT_DIRS) and code not in self.calls:
+                self.calls[code] = frame.f_globals
+
+    def __enter__(self) -> Tracer:
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+    def objects(self) -> set[str]:
+        """"module.name" of every top-level object that ran, and of every module-level name it loads."""
+        out: set[str] = set()
+        for code, f_globals in self.calls.items():
+            module = module_name(code.co_filename)
+            name = top_level_name(module, code.co_firstlineno)
+            if name is not None:
+                out.add(f"{module}.{name}")
+            out |= loaded_names(code, f_globals)
+        return out
+
+
+def loaded_names(code: types.CodeType, f_globals: dict) -> set[str]:
+    """Project module-level names a code object (and the code nested in it) loads: `X` and `module.X`."""
+    out: set[str] = set()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        instructions = list(dis.get_instructions(c))
+        for i, ins in enumerate(instructions):
+            if ins.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or ins.argval not in f_globals:
+                continue
+            value = f_globals[ins.argval]
+            if isinstance(value, types.ModuleType):
+                nxt = instructions[i + 1] if i + 1 < len(instructions) else None
+                if value.__name__.split(".")[0] in ("stages", "flows") and nxt is not None \
+                        and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                    hit = defined_at(value.__name__, nxt.argval, getattr(value, nxt.argval, None))
+                    if hit:
+                        out.add(hit)
+                continue
+            hit = defined_at(f_globals["__name__"], ins.argval, value)
+            if hit:
+                out.add(hit)
+    return out
+
+
+def defined_at(module: str, name: str, value: object) -> str | None:
+    if module.split(".")[0] not in ("stages", "flows") or isinstance(value, types.ModuleType):
+        return None
+    if isinstance(value, types.FunctionType | type):
+        home = getattr(value, "__module__", "") or ""
+        if home.split(".")[0] not in ("stages", "flows"):
+            return None
+        return f"{home}.{value.__qualname__.split('.')[0]}"
+    where = origin(module, name)
+    return f"{where[0]}.{where[1]}" if where else None
+
+
+# ---------------------------------------------------------------- running the pipelines traced
+
+
+def traced_graph(seen: dict[str, set[str]]) -> list:
+    def wrap(st):
+        def body(ctx):
+            with Tracer() as t:
+                try:
+                    return st.body(ctx)
+                finally:
+                    seen.setdefault(st.name, set()).update(t.objects())
+        return replace(st, body=body)
+    return [wrap(st) for st in STAGES]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
+    """run -> stage -> objects the stage ran (its body, and the function choosing its input files)."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for run, (pipeline, sets) in RUNS.items():
+        cfg = load_pipeline(pipeline, list(sets))
+        seen: dict[str, set[str]] = {}
+        for st in STAGES:
+            with Tracer() as t:
+                st.inputs(cfg)
+            seen.setdefault(st.name, set()).update(t.objects())
+        run_pipeline(cfg, Store(tmp_path_factory.mktemp(run)), traced_graph(seen))
+        out[run] = seen
+    return out
+
+
+def covered(stage_objects: list[str]) -> set[str]:
+    return {o.rsplit(":", 1)[0] for o in stage_objects}
+
+
+def is_covered(obj: str, objects: set[str]) -> bool:
+    module = obj.rsplit(".", 1)[0]
+    return obj in objects or f"{module}.<module>" in objects
+
+
+@needs_shared_data
+def test_every_function_and_value_a_stage_runs_is_in_its_key(traces):
+    missing = []
+    for run, (pipeline, sets) in RUNS.items():
+        planned = {p.stage.name: covered(p.key.code_objects) for p in plan(load_pipeline(pipeline, list(sets)), STAGES)}
+        for stage, objects in traces[run].items():
+            missing += [f"{run}/{stage}: {o}" for o in sorted(objects) if not is_covered(o, planned[stage])]
+    assert sum(len(o) for t in traces.values() for o in t.values()) > 100  # the tracer saw the stages run
+    assert not missing, "code a stage ran but its key does not cover:\n" + "\n".join(missing)
+
+
+# ---------------------------------------------------------------- mutations
+
+
+def mutated_source(module: str, name: str) -> str:
+    """The module's source with object `name` changed (a statement added to a function or class, a value
+    wrapped in an expression that keeps it), everything else as it was."""
+    t = ast.parse(tree_source(module))
+    for stmt in t.body:
+        names = [stmt.name] if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else \
+            [n.id for tg in getattr(stmt, "targets", [getattr(stmt, "target", None)]) if tg is not None
+             for n in ast.walk(tg) if isinstance(n, ast.Name)]
+        if name in names:
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                stmt.body.append(ast.Pass())
+            else:
+                stmt.value = ast.IfExp(test=ast.Constant(True), body=stmt.value, orelse=ast.Constant(None))
+            return ast.unparse(ast.fix_missing_locations(t))
+    raise AssertionError(f"{module}.{name}: not found at top level")
+
+
+def tree_source(module: str) -> str:
+    path = ROOT.joinpath(*module.split("."))
+    return (path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py").read_text()
+
+
+def stage_codes(sources: dict[str, str]) -> dict[str, str]:
+    graph = CodeGraph(ROOT, sources)
+    return {st.name: code_fingerprint(code_roots(st), graph)[0] for st in STAGES}
+
+
+@needs_shared_data
+def test_editing_anything_a_stage_ran_changes_that_stages_key(traces):
+    base = stage_codes({})
+    ran: dict[str, set[str]] = {}  # object -> stages that ran it
+    for seen in traces.values():
+        for stage, objects in seen.items():
+            for o in objects:
+                ran.setdefault(o, set()).add(stage)
+    unchanged = []
+    for obj, stages in sorted(ran.items()):
+        module, name = obj.rsplit(".", 1)
+        # the round trip through ast.unparse alone changes no key: only the edit does
+        assert stage_codes({module: ast.unparse(ast.parse(tree_source(module)))}) == base
+        after = stage_codes({module: mutated_source(module, name)})
+        unchanged += [f"{obj} (run by {s})" for s in sorted(stages) if after[s] == base[s]]
+    assert len(ran) > 60
+    assert not unchanged, "edits that left a key unchanged:\n" + "\n".join(unchanged)
+
+
+def test_editing_code_no_stage_reaches_changes_no_key():
+    base = stage_codes({})
+    reachable = set().union(*(covered(code_fingerprint(code_roots(st))[1]) for st in STAGES))
+    outside = []
+    for path in sorted([*ROOT.glob("stages/**/*.py"), *ROOT.glob("flows/*.py")]):
+        module = module_name(str(path))
+        if f"{module}.<module>" in reachable:
+            continue
+        for stmt in tree(module).body:
+            if isinstance(stmt, ast.FunctionDef | ast.ClassDef) and f"{module}.{stmt.name}" not in reachable:
+                outside.append((module, stmt.name))
+    assert ("flows.inspect", "main") in outside and ("stages.engine.status", "gc") in outside
+    changed = [f"{m}.{n}" for m, n in outside if stage_codes({m: mutated_source(m, n)}) != base]
+    assert not changed, "editing code no stage reaches changed a key: " + ", ".join(changed)
+
+
+def test_status_names_the_changed_object():
+    cfg = load_pipeline("tiny-imdb", list(IMDB))
+    train = next(p for p in plan(cfg, STAGES) if p.stage.name == "train")
+    source = tree_source("stages.common.batching").replace("MEGA_CHUNK = 50", "MEGA_CHUNK = 64")
+    code, objects = code_fingerprint(code_roots(train.stage), CodeGraph(ROOT, {"stages.common.batching": source}))
+    old_inputs = {**train.key.key_inputs(), "code_objects": list(train.key.code_objects)}
+    new_key = replace(train.key, code=code, code_objects=tuple(objects))
+    assert new_key.key != train.key.key
+    assert why_changed(old_inputs, new_key) == ["changed code: stages.common.batching.MEGA_CHUNK (modified)"]

@@ -1,0 +1,202 @@
+"""Sweeps: a tiny sweep over two learning rates through the `sweep` flow (a temporary Prefect server for the
+module; each child run in its own process) computes the stages the variants share once, sequentially and two at
+a time; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
+are one line and exit 2, before Prefect starts."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import Counter
+
+import pytest
+from helpers import ROOT, needs_shared_data
+
+import flows  # noqa: F401  (project Prefect defaults)
+from flows import compare
+from flows.inspect import main as inspect_main
+from flows.sweep import main as sweep_main
+from flows.variants import adhoc, parse_grid, sweep
+from stages.engine.config import load_sweep
+from stages.engine.errors import ConfigError
+from stages.engine.store import Store
+from stages.graph import run_pipeline
+
+EXTRA = """
+  lr-pair:
+    description: tests - two learning rates of tiny-imdb
+    pipeline: tiny-imdb
+    set:
+      data.subset: {train: 16, validation: 4, test: 8}
+      train.max_steps: 2
+    grid:
+      train.lr: [1.0e-3, 1.0e-2]
+    metric: test.accuracy
+"""
+SHARED = ("data", "tokenize", "model", "adapters")
+PER_VARIANT = ("train", "evaluate", "export")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sweep") / "pipeline.yaml"
+    path.write_text((ROOT / "pipeline.yaml").read_text() + EXTRA)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def computed_per_stage(store) -> Counter:
+    return Counter(e["stage"] for e in Store(store).events() if e.get("event") == "computed")
+
+
+# ---------------------------------------------------------------- definitions (no run)
+
+
+def test_named_and_adhoc_sweeps_expand_to_validated_runs(config):
+    sw = sweep("lr-pair", config)
+    assert [r.label for r in sw.runs] == ["lr=0.001", "lr=0.01"]
+    assert [r.cfg.train.lr for r in sw.runs] == [1e-3, 1e-2]
+    assert all(r.cfg.train.max_steps == 2 and r.cfg.data.subset == {"train": 16, "validation": 4, "test": 8}
+               for r in sw.runs)
+    seeded = adhoc("tiny-imdb", ["train.lr=1e-3,5e-4"], ["train.max_steps=2"], seeds=[1, 2], config_file=config)
+    assert [(r.variant, r.seed, r.cfg.train.seed) for r in seeded.runs] == [
+        ("lr=0.001", 1, 1), ("lr=0.0005", 1, 1), ("lr=0.001", 2, 2), ("lr=0.0005", 2, 2)]
+    assert parse_grid(["evaluate.splits=[test],[validation, test]"]) == {
+        "evaluate.splits": [["test"], ["validation", "test"]]}
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("grid: {train.lr: [1.0e-3]}\n    variants: [{train.lr: 1.0e-2}]", "give either grid"),
+    ("grid: {train.lr: [1.0e-3]}\n    sedes: [1]", "sweeps.bad.sedes: unknown key; valid keys here:"),
+    ("grid: {lr: [1.0e-3]}", "must be dotted SECTION.FIELD"),
+    ("grid: {train.lr: [1.0e-3]}\n    metric: accuracy", "write SPLIT.METRIC"),
+    ("grid: {train.lr: [1.0e-3]}\n    seeds: [1]\n    set: {train.seed: 3}", "train.seed is set by seeds"),
+])
+def test_bad_sweep_definitions_are_one_line(tmp_path, body, expected):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text((ROOT / "pipeline.yaml").read_text() + f"\n  bad:\n    pipeline: tiny-imdb\n    {body}\n")
+    with pytest.raises(ConfigError) as err:
+        load_sweep("bad", path)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
+    # the value reaches the pipeline schema only when the run's config is loaded: before Prefect starts
+    assert sweep_main(["tiny-imdb", "--grid", "train.lr=1e-3,2", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: sweeps.tiny-imdb-") and "variant lr=2: --set train.lr: must be < 1" in err
+    assert sweep_main(["no-such-sweep", "--config", str(config)]) == 2
+    assert "unknown sweep 'no-such-sweep'; available: accumulation" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the flow, compare and diff
+
+
+@needs_shared_data
+def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server, config, store_dir, capsys):
+    from flows.sweep_flow import run_sweep
+
+    state = run_sweep("lr-pair", parallel=1, config=str(config), return_state=True)
+    assert state.is_completed(), state.message
+    assert [r["run"] for r in state.result()] == ["lr=0.001", "lr=0.01"]
+    counts = computed_per_stage(store_dir)
+    assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
+    assert (store_dir / "sweeps" / "lr-pair" / "chart.png").stat().st_size > 1000
+
+    capsys.readouterr()
+    assert inspect_main(["compare", "--sweep", "lr-pair", "--config", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["metric"] == "test.accuracy" and len(report["variants"]) == 2
+    by = {v["params"]["train.lr"]: v for v in report["variants"]}
+    assert set(by) == {1e-3, 1e-2}
+    for v in by.values():
+        (run,) = v["runs"]
+        assert v["status"] == "done" and v["n"] == 1 and 0 <= v["mean"] <= 1
+        assert v["mean"] == run["metrics"]["test.accuracy"]
+        assert run["shared"] == list(SHARED) and run["train_s"] > 0 and run["trainable"] > 0
+    means = [v["mean"] for v in report["variants"]]
+    assert means == sorted(means, reverse=True) and [v["rank"] for v in report["variants"]] == [1, 2]
+
+    assert inspect_main(["compare", "--sweep", "lr-pair", "--config", str(config), "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert sorted(float(r["train.lr"]) for r in rows) == [1e-3, 1e-2] and all(r["status"] == "done" for r in rows)
+
+    # diff: lr changes train (why: the param) and what consumes it (why: its upstream); the rest is shared
+    assert inspect_main(["diff", "tiny-imdb", "--set-a", "data.subset={train: 16, validation: 4, test: 8}",
+                         "--set-a", "train.max_steps=2", "--set-a", "train.lr=1e-3",
+                         "--set", "data.subset={train: 16, validation: 4, test: 8}", "--set", "train.max_steps=2",
+                         "--set", "train.lr=1e-2", "--config", str(config), "--json"]) == 1
+    d = json.loads(capsys.readouterr().out)
+    stages = {s["stage"]: s for s in d["stages"]}
+    assert {s for s, v in stages.items() if v["shared"]} == set(SHARED)
+    assert stages["train"]["why"] == ["changed params: train.lr"]
+    assert stages["evaluate"]["why"] == ["changed upstream: train"]
+    assert d["params"] == [{"param": "train.lr", "a": 1e-3, "b": 1e-2}]
+    acc = next(m for m in d["metrics"] if m["metric"] == "evaluate.test.accuracy")
+    assert acc["a"] == by[1e-3]["mean"] and acc["b"] == by[1e-2]["mean"]
+
+
+@needs_shared_data
+def test_parallel_children_share_stages_through_the_store_lock(prefect_server, config, store_dir, capsys):
+    from flows.sweep_flow import run_sweep
+
+    assert run_sweep("lr-pair", parallel=2, config=str(config), return_state=True).is_completed()
+    counts = computed_per_stage(store_dir)
+    assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
+    # the two children (processes) overlapped: the second's first outcome came before the first's last
+    times: dict[int, list[str]] = {}
+    for e in Store(store_dir).events():
+        times.setdefault(e["pid"], []).append(e["time"])
+    assert len(times) == 2
+    first, second = sorted(times.values())
+    assert second[0] < first[-1]
+    c = compare.compare(sweep("lr-pair", config), Store(store_dir))
+    assert all(v.status() == "done" for v in c.variants)
+
+
+@needs_shared_data
+def test_compare_lists_runs_not_yet_run_and_stale_results(config, store_dir, capsys):
+    """One of two variants run (plain runner, no Prefect): it is `done`, the other `not run`; once its
+    evaluate artifact exists only under another key (as after a code change), its results show as `stale`."""
+    sw = adhoc("tiny-imdb", ["train.lr=1e-3,1e-2"], ["data.subset={train: 16, validation: 4, test: 8}",
+                                                     "train.max_steps=2"], config_file=config)
+    outcomes = {o.stage: o for o in run_pipeline(sw.runs[0].cfg, Store(store_dir), until="evaluate")}
+    args = ["compare", "tiny-imdb", "--grid", "train.lr=1e-3,1e-2", "--set",
+            "data.subset={train: 16, validation: 4, test: 8}", "--set", "train.max_steps=2", "--config", str(config)]
+    assert inspect_main(args) == 1
+    out = capsys.readouterr().out
+    acc = outcomes["evaluate"].manifest["metrics"]["splits"]["test"]["accuracy"]
+    assert f"| 1 | 0.001 | 1 | {100 * acc:.1f}% |" in out and "| done |" in out
+    assert "| - | 0.01 | 0 | - |" in out and "| not run |" in out
+
+    # the same parameters, another key (code changed since): shown with its results, marked stale
+    ev = outcomes["evaluate"]
+    old_key = "0" * 64
+    manifest = json.loads((ev.path / "manifest.json").read_text())
+    (ev.path / "manifest.json").write_text(json.dumps({**manifest, "key": old_key}))
+    ev.path.rename(ev.path.parent / old_key)
+    c = compare.compare(sw, Store(store_dir))
+    first = next(v for v in c.variants if v.params["train.lr"] == 1e-3)
+    assert first.status() == "stale" and first.runs[0].keys["evaluate"] == old_key and first.mean() == acc
+
+    # seeds: mean ± sd over the seeds, and how many of them have results
+    assert inspect_main([*args, "--seeds", "1,2"]) == 1
+    out = capsys.readouterr().out
+    assert "mean ± sd over seeds 1, 2" in out and out.count("| not run |") == 2 and "| 0/2 |" in out
+
+
+def test_serve_builds_a_sweep_deployment_per_named_sweep():
+    from flows.serve import deployments
+
+    deps = {(d.flow_name, d.name): d for d in deployments(["accumulation", "tiny-imdb"])}
+    assert set(deps) == {("sweep", "accumulation"), ("finetune", "tiny-imdb")}
+    assert deps["sweep", "accumulation"].parameters == {"name": "accumulation"}
+    assert deps["sweep", "accumulation"].entrypoint == "flows.sweep_flow.run_sweep"

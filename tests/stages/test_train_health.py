@@ -1,0 +1,179 @@
+"""Training health: divergence stops the stage (nothing committed, work folder kept), validation during
+training, the best weights kept, early stopping, and all of it across a kill -9 and a rerun."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import needs_shared_data, run
+from safetensors.torch import load_file
+from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
+
+import stages.train as train_stage
+from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
+from stages.common.health import Watchdog
+from stages.engine.errors import DivergenceError, FinetuneError
+from stages.train import train_model
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+log = logging.getLogger("test.health")
+# plateaus: validation accuracy peaks at step 12 (0.9375), then 0.9375, 0.906, 0.906 -> stops at step 18
+EARLY = {"micro_batch_size": 8, "max_steps": 200, "lr": 3e-3, "eval_every": 2, "checkpoint_every": 3,
+         "select_best": {"metric": "val_accuracy"}, "early_stopping": {"patience": 3}}
+
+
+def train_early(work: Path, out: Path, on_step=None) -> tuple[dict, dict]:
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**EARLY), "seq_cls", PAD, out, work,
+                    log, on_step=on_step)
+    return m, trainable(model)
+
+
+@needs_shared_data
+def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store_dir, monkeypatch):
+    nan_at = 5  # optimizer step whose loss (and so its gradients) turn NaN
+    seen = {"step": 0}
+    real_window, real_loss = train_stage.accumulate_window, train_stage.summed_loss
+
+    def window(*a, **kw):  # one call per optimizer step in one process
+        seen["step"] += 1
+        return real_window(*a, **kw)
+
+    def loss(*a, **kw):
+        out = real_loss(*a, **kw)
+        return out * float("nan") if seen["step"] == nan_at else out
+
+    monkeypatch.setattr(train_stage, "accumulate_window", window)
+    monkeypatch.setattr(train_stage, "summed_loss", loss)
+    sets = ("data.subset={train: 48, validation: 8, test: 8}", "train.max_steps=8", "train.checkpoint_every=2")
+    with pytest.raises(DivergenceError) as err:
+        run("tiny-imdb", *sets, until="train")
+    msg = str(err.value)
+    print(msg)
+    assert isinstance(err.value, FinetuneError) and err.value.exit_code == 2 and "\n" not in msg
+    assert f"diverged at step {nan_at}: the loss is nan" in msg and "lower train.lr" in msg
+    work = [d for d in (store_dir / ".work").iterdir() if d.name.startswith("train-")]
+    assert len(work) == 1  # the work folder is kept for inspection ...
+    assert [s for s, _ in checkpoints(work[0] / "checkpoints")] == [2, 4]  # ... no checkpoint after the NaN
+    assert f"the last good checkpoint is {work[0] / 'checkpoints' / 'step-000004'}" in msg
+    assert not (store_dir / "train").exists() or not any((store_dir / "train").iterdir())  # nothing committed
+    assert (store_dir / "adapters").is_dir()  # while the stages before it were
+
+
+def test_an_exploding_loss_from_a_huge_learning_rate_is_caught(tmp_path):
+    losses = []
+    with pytest.raises(DivergenceError, match=r"diverged at step \d+: the loss averaged") as err:
+        train_model(tiny_classifier(), cls_rows(128, seed=1), None,
+                    tcfg(micro_batch_size=4, gradient_accumulation_steps=4, max_steps=40, lr=0.9), "seq_cls", PAD,
+                    tmp_path / "o", tmp_path / "w", log, on_step=lambda s, loss: losses.append(loss))
+    print(err.value, losses)
+    assert len(losses) < 10 and f"diverged at step {len(losses) + 1}:" in str(err.value)  # caught at once, before
+    assert "no checkpoint was written before it" in str(err.value)  # the step reaches the weights
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_one_hard_row_is_not_divergence_but_a_sustained_rise_is(tmp_path):
+    """Effective batch 1, late in training: most rows cost ~0.01, one in 20 is confidently wrong (8.0,
+    800x the median). That is noise; the loss settling at 30x its level is not."""
+    watch = Watchdog(10.0, 25, False, tmp_path, effective_batch=1)
+    progress, rng = TrainingProgress(first_loss=0.69), random.Random(0)
+    for step in range(3000):
+        progress.step = step
+        watch.check(progress, 8.0 if rng.random() < 0.05 else 0.01, 1.0)
+    level = sum(progress.recent_losses) / len(progress.recent_losses)
+    with pytest.raises(DivergenceError) as err:
+        for step in range(3000, 3300):
+            progress.step = step
+            watch.check(progress, 30 * level, 1.0)
+    print(err.value)
+    assert "diverged at step" in str(err.value)
+
+
+def test_fp16_scaler_skips_are_counted_and_only_a_long_run_of_them_is_divergence(tmp_path):
+    watch = Watchdog(10.0, 3, True, tmp_path, effective_batch=8)
+    progress = TrainingProgress(first_loss=0.7)
+    for skipped in (True, True, True, False, True, True, True):  # a non-finite norm is the scaler's to skip
+        watch.check(progress, 0.7, float("inf"))
+        watch.count_skip(progress, skipped)
+        progress.step += 1
+    assert progress.skipped_steps == 6 and progress.skipped_in_a_row == 3
+    with pytest.raises(DivergenceError, match="skipped 4 steps in a row"):
+        watch.count_skip(progress, True)
+    with pytest.raises(DivergenceError, match="the gradient norm is inf"):  # without a scaler it is divergence
+        Watchdog(10.0, 3, False, tmp_path, effective_batch=8).check(progress, 0.7, float("inf"))
+
+
+def test_early_stopping_keeps_the_best_step_weights(tmp_path):
+    snapshots: dict[int, dict] = {}
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**EARLY), "seq_cls", PAD,
+                    tmp_path / "out", tmp_path / "work", log,
+                    on_step=lambda step, loss: snapshots.__setitem__(step, trainable(model)))
+    vals = [(v["step"], v["val_accuracy"]) for v in m["validation"]]
+    print(m["stopped"], m["best"], vals)
+    best = m["best"]
+    assert m["steps"] < 200 and m["stopped"].startswith(f"early stopping at step {m['steps']}")
+    assert [s for s, _ in vals] == list(range(2, m["steps"] + 1, 2))  # every eval_every steps
+    assert best["value"] == max(a for _, a in vals) and best["step"] == min(s for s, a in vals if a == best["value"])
+    assert all(a <= best["value"] for s, a in vals if s > best["step"])  # patience ran out on no improvement
+    assert len([s for s, _ in vals if s > best["step"]]) == 3  # patience 3
+    assert max_diff(trainable(model), snapshots[best["step"]]) == 0  # the model holds the best step's weights
+    last = load_file(str(tmp_path / "out" / "last" / "trainable.safetensors"))
+    assert max_diff(last, snapshots[m["steps"]]) == 0 and max_diff(last, snapshots[best["step"]]) > 0
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+
+
+def child(work: str, out: str) -> None:
+    """Run in a subprocess: train, printing each finished step, slowly enough to be killed mid-run."""
+    torch.set_num_threads(1)
+
+    def on_step(step, loss):
+        print(f"STEP {step}", flush=True)
+        time.sleep(0.15)
+
+    train_early(Path(work), Path(out), on_step)
+
+
+def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_the_same_step(tmp_path, caplog):
+    torch.set_num_threads(1)  # the same threads as the child, so the same float sums
+    ref_metrics, ref_weights = train_early(tmp_path / "ref-work", tmp_path / "ref-out")
+    best, end = ref_metrics["best"]["step"], ref_metrics["steps"]
+    # the last checkpoint before the kill comes after the best step and after an evaluation without
+    # improvement: the rerun needs both the best weights and the patience count from it
+    kill_at = next(s for s in range(best + 3, end) if s % 3 and (s // 3) * 3 > best + 2)
+    work, out = tmp_path / "work", tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    proc = subprocess.Popen([sys.executable, "-c", f"from test_train_health import child; child({str(work)!r}, "
+                             f"{str(out)!r})"], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    seen = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("STEP"):
+                seen.append(int(line.split()[1]))
+                if seen[-1] >= kill_at:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"child ended on its own: {seen}"
+    ckpt = latest_checkpoint(work / "checkpoints")
+    resumed_at = int(ckpt.name.split("-")[1])
+    assert best < resumed_at < kill_at < end and (ckpt / "best.safetensors").is_file()
+    with caplog.at_level(logging.INFO, logger="test.health"):
+        m, weights = train_early(work, out)
+    print(f"best step {best}, killed after step {seen[-1]}, resumed from {resumed_at}, stopped at {m['steps']}")
+    assert any(f"resumed from step {resumed_at} " in r.message for r in caplog.records)
+    assert m["best"] == ref_metrics["best"] and m["stopped"] == ref_metrics["stopped"] and m["steps"] == end
+    assert max_diff(weights, ref_weights) == 0
