@@ -1,7 +1,16 @@
 """Prefect flows. Importing this package sets Prefect defaults that work on a fresh machine, unless the
 user already set them: PREFECT_HOME inside the project (git-ignored), a server startup timeout that
-covers a first start on a slow machine (24-30 s measured; Prefect's default is 20 s), analytics off."""
+covers a first start on a slow machine (24-30 s measured; Prefect's default is 20 s), analytics off.
 
+Stage log lines (loggers `finetune.*`) reach the console and the Prefect UI: PREFECT_LOGGING_EXTRA_LOGGERS
+gives the `finetune` logger Prefect's API handler, but Prefect copies only the handler, not a level, so
+the logger inherited the root's WARNING (Prefect's logging.yml) and every INFO line (the train stage's
+step lines, its summary) was dropped before any handler saw it. Its level is set here, in every process
+that imports the flows (a deployment's flow-run process included); the lines then reach the API handler
+and, by propagation, Prefect's console handler on the root logger.
+"""
+
+import logging
 import os
 from pathlib import Path
 
@@ -16,3 +25,6 @@ for _name, _value in {
     "DO_NOT_TRACK": "1",
 }.items():
     os.environ.setdefault(_name, _value)
+
+if logging.getLogger("finetune").level == logging.NOTSET:
+    logging.getLogger("finetune").setLevel(logging.INFO)

@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params
 from stages.engine.store import StageKey, Store
+from stages.engine.units import human_bytes
 from stages.graph import plan
 
 DONE, STALE, NOT_RUN = "done", "stale", "not run"
@@ -163,9 +165,8 @@ def artifacts(planned: dict[str, StageKey], store: Store | RemoteStore, finder: 
     return out
 
 
-def run_result(run: Run, store: Store | RemoteStore, finder: Finder, shared_keys: dict[tuple[str, str], int]) \
-        -> RunResult:
-    planned = {p.key.stage: p.key for p in plan(run.cfg)}
+def run_result(run: Run, planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder,
+               shared_keys: Counter) -> RunResult:
     res = RunResult(label=run.label, seed=run.seed, status=NOT_RUN)
     found = artifacts(planned, store, finder)
     res.keys = {stage: key for stage, (key, _) in found.items()}
@@ -196,17 +197,14 @@ def param_value(cfg: PipelineConfig, dotted: str) -> Any:
 
 def compare(sw: Sweep, store: Store | RemoteStore) -> Comparison:
     finder = Finder(store)
-    plans = {r.label: plan(r.cfg) for r in sw.runs}
-    shared: dict[tuple[str, str], int] = {}
-    for items in plans.values():
-        for i in items:
-            shared[(i.key.stage, i.key.key)] = shared.get((i.key.stage, i.key.key), 0) + 1
+    plans = {r.label: {p.key.stage: p.key for p in plan(r.cfg)} for r in sw.runs}
+    shared = Counter((sk.stage, sk.key) for planned in plans.values() for sk in planned.values())
     keys = list(dict.fromkeys(k for r in sw.runs for k in r.params))
     variants: list[VariantResult] = []
     for name in sw.variants():
         runs = [r for r in sw.runs if r.variant == name]
         variants.append(VariantResult(name, {k: param_value(runs[0].cfg, k) for k in keys},
-                                      [run_result(r, store, finder, shared) for r in runs], sw.config.metric))
+                                      [run_result(r, plans[r.label], store, finder, shared) for r in runs], sw.config.metric))
     baseline = variants[0].variant
     sign = -1 if sw.config.mode == "max" else 1
     ranked = sorted(variants, key=lambda v: (v.mean() is None, sign * (v.mean() or 0)))
@@ -268,7 +266,7 @@ def table_rows(c: Comparison) -> list[dict[str, Any]]:
         row["train s"] = f"{train_s:.0f}" if train_s is not None else "-"
         row["real tokens/s"] = f"{tps:.0f}" if tps is not None else "-"
         fp = _avg(v.runs, "footprint_bytes")
-        row["footprint"] = f"{fp / 1e6:.1f} MB" if fp else "-"
+        row["footprint"] = human_bytes(fp) if fp else "-"
         tr = v.runs[0].trainable
         row["trainable"] = f"{tr:,} ({v.runs[0].trainable_percent:.2f}%)" if tr and v.runs[0].trainable_percent \
             else (f"{tr:,}" if tr else "-")

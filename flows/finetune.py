@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from stages.engine.cli import guarded, parser, setup_logging
+from stages.engine.cli import guarded, parser
 from stages.engine.config import store_root
 from stages.graph import load_args, plan
 
@@ -18,7 +18,7 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
 
     def go() -> int:
         plan(load_args(args))  # config and input files checked before Prefect starts
-        setup_logging()
+        # no logging setup of ours: Prefect's console handler shows the stage lines (flows/__init__.py)
         from flows.flow import finetune  # imports Prefect: only once the config is known to be good
 
         state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,

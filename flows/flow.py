@@ -7,6 +7,7 @@ Importing this module runs flows/__init__.py first, which sets the project's Pre
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import flow, task
@@ -37,6 +38,45 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
 
 
 STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in stage_names()}
+
+
+def send_stage_logs_to_prefect() -> None:
+    """The `finetune` logger at INFO (see flows/__init__.py for why) with the handlers of Prefect's
+    `prefect.extra` logger (its API handler: task-run logs in the UI), as PREFECT_LOGGING_EXTRA_LOGGERS does
+    when it is set before Prefect configures logging; this covers a process that imported Prefect first or
+    never ran flows/__init__.py (a test session, a user's script). Idempotent."""
+    stage_log = logging.getLogger("finetune")
+    if stage_log.level == logging.NOTSET:
+        stage_log.setLevel(logging.INFO)
+    for handler in logging.getLogger("prefect.extra").handlers:
+        if handler not in stage_log.handlers:
+            stage_log.addHandler(handler)
+
+
+class UserErrorTracebackToDebug(logging.Filter):
+    """A run that fails on a user error (a FinetuneError: bad config, missing input) says so in one line,
+    its final state ("Finished in state Failed('MissingInputError: ...')"); Prefect's engine then logs the
+    same error again at ERROR with a full traceback ("Engine execution exited with unexpected exception"),
+    in serve's console and the UI. That record is logged at DEBUG instead (shown with PREFECT_LOGGING_LEVEL
+    =DEBUG). Anything else, any other exception, passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno < logging.ERROR or not isinstance(exc, FinetuneError):
+            return True
+        logging.getLogger(record.name).debug(record.getMessage(), exc_info=record.exc_info)
+        return False
+
+
+def quiet_user_error_tracebacks() -> None:
+    for name in ("prefect.flow_runs", "prefect.engine"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, UserErrorTracebackToDebug) for f in logger.filters):
+            logger.addFilter(UserErrorTracebackToDebug())
+
+
+send_stage_logs_to_prefect()
+quiet_user_error_tracebacks()
 
 
 class _StageFailed(Exception):

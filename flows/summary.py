@@ -102,6 +102,11 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
                      f"loss {tm.get('first_loss', 0):.3f} -> {tm.get('final_loss', 0):.3f}, "
                      f"{tm.get('tokens_per_s', 0):.0f} real tokens/s"
                      + (f", validation accuracy {100 * val['val_accuracy']:.1f}%" if "val_accuracy" in val else ""))
+        if best := tm.get("best"):  # train.select_best: the artifact holds the best validation's weights
+            stopped = tm.get("stopped", "")
+            lines.append(f"  best: {best['metric']} {best['value']:.4f} at step {best['step']} of {tm.get('steps')} "
+                         f"(weights kept in trained/, the last step's in last/)"
+                         + (f"; {stopped}" if stopped.startswith("early stopping") else ""))
     lines.append("")
     lines.append(f"  store: {store_root()}")
     for stage, what in (("export", "exported adapter + model card"), ("train", "trained weights, loss.png, metrics.jsonl"),

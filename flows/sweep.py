@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flows.variants import Sweep, adhoc, spec, sweep
 from stages.engine.cli import guarded, setup_logging
-from stages.engine.config import DEFAULT_PIPELINE_FILE, store_root
+from stages.engine.config import DEFAULT_PIPELINE_FILE, pipeline_names, store_root, sweep_names
 from stages.engine.errors import ConfigError
 
 
@@ -65,6 +65,9 @@ def resolve(args: argparse.Namespace, target: str) -> Sweep:
     if extra:
         raise ConfigError(f"{', '.join(extra)}: only for an ad-hoc sweep (PIPELINE --grid ...); a named sweep "
                           f"takes its settings from pipeline.yaml")
+    if target in pipeline_names(args.config) and target not in sweep_names(args.config):
+        raise ConfigError(f"{target} is a pipeline, not a sweep: give --grid KEY=V1,V2 to sweep it, or a sweep "
+                          f"name ({', '.join(sweep_names(args.config)) or 'none defined under sweeps:'})")
     return sweep(target, args.config)
 
 

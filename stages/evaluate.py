@@ -21,11 +21,11 @@ this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from stages.common import metrics
 from stages.common.arrow import read_split
@@ -33,8 +33,11 @@ from stages.common.batching import IGNORE_INDEX, collate, split_micro
 from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
+from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
 from stages.engine.schema import PipelineConfig
+
+log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
 
 
 def metric_files(cfg: PipelineConfig) -> list[Path]:
@@ -89,8 +92,7 @@ def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_s
              desc: str) -> list[int]:
     preds: list[int] = [0] * len(rows["input_ids"])
     lengths = [len(x) for x in rows["input_ids"]]
-    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
-                    leave=False):
+    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
         b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
                     "seq_cls").to(device)
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
@@ -116,8 +118,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
     pad = tok.pad_token_id
     eos = gen.get("eos_token_id")
     stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
-    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
-                    leave=False):
+    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
         width = max(len(prompts[j]) for j in idx)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
@@ -145,8 +146,7 @@ def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch
 
     total, units = 0.0, 0
     lengths = [len(x) for x in rows["input_ids"]]
-    for idx in tqdm(split_micro(list(range(len(lengths))), lengths, batch_size), desc=desc, unit="batch",
-                    leave=False):
+    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
         b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
                     "causal_lm").to(device)
         total += float(summed_loss(model, b, "causal_lm"))

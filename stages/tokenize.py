@@ -7,20 +7,21 @@ records token-length stats per split (mean, p50, p95, max, share truncated).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX
 from stages.common.hf import load_tokenizer, special_affixes
+from stages.common.progress import iterate
 
 
 def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:
     """Token ids without special tokens, untruncated, tokenized batch_size texts at a time."""
     out: list[list[int]] = []
-    for i in tqdm(range(0, len(texts), batch_size), desc=desc, unit="batch", leave=False):
+    for i in iterate(range(0, len(texts), batch_size), desc, logging.getLogger("finetune.tokenize")):
         out.extend(tok(texts[i:i + batch_size], add_special_tokens=False)["input_ids"])
     return out
 

@@ -15,7 +15,7 @@ every parameter the way bitsandbytes and PEFT will store it:
   optimizer        Adam: 8 bytes per trainable parameter; 8-bit Adam: 2
   activations      a rough term for the micro-batch and sequence length (see `activation_bytes`)
 
-`python -m stages.common.memory PIPELINE [--set k=v ...]` prints the estimate for a pipeline without loading it.
+`python -m flows.inspect memory PIPELINE [--set k=v ...]` prints the estimate for a pipeline without loading it.
 """
 
 from __future__ import annotations

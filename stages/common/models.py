@@ -20,6 +20,7 @@ from torch import nn
 from stages.common import memory
 from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
 from stages.common.hub import ensure_hub_reachable
+from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
 
 AUTO_CLASSES = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
@@ -28,6 +29,8 @@ HEAD_MODULES = ("score", "classifier", "lm_head")  # never quantized
 LOAD_INFO = "finetune.json"
 ADAPTERS_INFO = "adapters.json"  # written by the adapters stage: {"method": ...}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+filter_known_warnings()  # in every process that builds or loads models: only known-harmless ones, by module
 
 # ---------------------------------------------------------------- config -> what to build
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from stages.common.progress import Progress
 
 
 class RunLog:
@@ -31,7 +31,8 @@ class RunLog:
             self.tb = SummaryWriter(str(folder / "tensorboard"), purge_step=resume_step or None)
         except ImportError:  # tensorboard is optional at runtime
             pass
-        self.bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", disable=None)  # None: off without a terminal
+        # a bar in a terminal, else a log line every N% (stages/common/progress.py); a summary line at close
+        self.bar = Progress(total_steps, "train", log, initial=resume_step, unit="step")
 
     def emit(self, level: int, msg: str, *args: Any) -> None:
         """The one way a line of the run reaches people."""

@@ -318,11 +318,16 @@ class CodeGraph:
 _SHARED: dict[Path, tuple[tuple, CodeGraph]] = {}
 
 
-def code_graph(root: Path) -> CodeGraph:
-    """The project's code graph, reused within a process while no source file under root's packages
-    changed (same names, inodes, sizes and modification times)."""
+def source_signature(root: Path) -> tuple:
+    """(path, inode, size, mtime_ns, ctime_ns) of every source file of the project packages: any edit,
+    added or removed file changes it."""
     files = sorted(p for pkg in PROJECT_PACKAGES for p in (root / pkg).rglob("*.py"))
-    signature = tuple((str(p), st.st_ino, st.st_size, st.st_mtime_ns) for p in files if (st := p.stat()))
+    return tuple((str(p), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in files if (st := p.stat()))
+
+
+def code_graph(root: Path) -> CodeGraph:
+    """The project's code graph, reused within a process while no source file changed."""
+    signature = source_signature(root)
     cached = _SHARED.get(root)
     if cached is None or cached[0] != signature:
         cached = (signature, CodeGraph(root))

@@ -4,17 +4,20 @@ persistent memo, so unchanged multi-GB inputs are not re-read), and library vers
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import sqlite3
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from stages.engine.codegraph import CodeGraph, code_graph
+from stages.engine.codegraph import CodeGraph, code_graph, source_signature
 from stages.engine.config import PROJECT_ROOT
 
 OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
@@ -44,6 +47,15 @@ def root_of(obj: Any) -> tuple[str, str]:
     """(module, top-level name) of a function, class or method: where the code graph starts."""
     obj = getattr(obj, "__func__", obj)
     return obj.__module__, obj.__qualname__.split(".")[0]
+
+
+def remembered_code_fingerprint(entry_points: list[Callable | type], memo: HashMemo) -> tuple[str, list[str]]:
+    """code_fingerprint, remembered in the store's memo under the stat signature of every project source
+    file (path, inode, size, mtime_ns, ctime_ns): a fresh process reads no source while none changed."""
+    key = "code:" + sha256_text(canonical_json([source_signature(PROJECT_ROOT),
+                                                [".".join(root_of(e)) for e in entry_points]]))
+    code, objects = memo.derived(key, lambda: code_fingerprint(entry_points))
+    return code, list(objects)
 
 
 def code_fingerprint(entry_points: Iterable[Callable | type], graph: CodeGraph | None = None
@@ -77,7 +89,29 @@ class HashMemo:
             self._db.execute("CREATE TABLE IF NOT EXISTS hashes (path TEXT, inode INTEGER, size INTEGER, "
                              "mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, "
                              "PRIMARY KEY (path, inode, size, mtime_ns, ctime_ns))")
+            self._db.execute("CREATE TABLE IF NOT EXISTS derived (key TEXT PRIMARY KEY, value TEXT)")
         return self._db
+
+    def derived(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A JSON value computed from files, remembered under `key`, which must name those files' stat
+        fields (e.g. a code fingerprint under the signature of every source file it read)."""
+        db = self._conn()
+        with self._lock:
+            if key in self._mem:
+                return self._mem[key]
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error, ValueError):
+                    row = db.execute("SELECT value FROM derived WHERE key=?", (key,)).fetchone()
+                    if row:
+                        self._mem[key] = json.loads(row[0])
+                        return self._mem[key]
+        value = json.loads(json.dumps(compute()))
+        with self._lock:
+            self._mem[key] = value
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error), db:
+                    db.execute("INSERT OR REPLACE INTO derived VALUES (?, ?)", (key, json.dumps(value)))
+        return value
 
     def sha256(self, path: Path) -> str:
         st = path.stat()
@@ -117,12 +151,12 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-_PROCESS_MEMO = HashMemo()
+PROCESS_MEMO = HashMemo()
 
 
 def inputs_digest(paths: Iterable[Path], memo: HashMemo | None = None) -> dict[str, str]:
     """Content hashes of input files; a folder contributes every file under it (relative names)."""
-    memo = memo or _PROCESS_MEMO
+    memo = memo or PROCESS_MEMO
     out: dict[str, str] = {}
     for p in paths:
         p = Path(p)
@@ -138,10 +172,23 @@ def inputs_digest(paths: Iterable[Path], memo: HashMemo | None = None) -> dict[s
 
 
 def library_versions(names: Iterable[str] = OUTPUT_LIBRARIES) -> dict[str, str]:
+    """Installed versions, read from the `<name>-<version>.dist-info` folder names on sys.path (what
+    importlib.metadata finds first, without parsing each METADATA file: 7 stages ask for ~36)."""
+    installed: dict[str, str] = {}
+    for entry in sys.path:
+        with contextlib.suppress(OSError):
+            for d in os.scandir(entry or "."):
+                if d.name.endswith(".dist-info") and "-" in d.name:
+                    dist, version = d.name[: -len(".dist-info")].rsplit("-", 1)
+                    installed.setdefault(_normalise(dist), version)
     out = {}
     for n in names:
         try:
-            out[n] = importlib.metadata.version(n)
+            out[n] = installed.get(_normalise(n)) or importlib.metadata.version(n)
         except importlib.metadata.PackageNotFoundError:
             out[n] = "absent"
     return out
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()

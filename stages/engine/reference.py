@@ -130,7 +130,8 @@ def write(readme: Path = README) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.engine.reference", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m stages.engine.reference", description="Print README.md's configuration reference, generated from stages/engine/schema.py, "
+                                 "or refresh it there (--write).")
     ap.add_argument("--write", action="store_true", help="refresh the block in README.md instead of printing it")
     args = ap.parse_args(argv)
     if args.write:

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.codegraph import code_graph
-from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.fingerprint import (
     OUTPUT_LIBRARIES,
+    PROCESS_MEMO,
     HashMemo,
-    code_fingerprint,
     inputs_digest,
     library_versions,
+    remembered_code_fingerprint,
 )
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, StageKey, Store
@@ -101,9 +100,9 @@ def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = 
     cfg = resolve_config(cfg, graph)
     keys: dict[str, StageKey] = {}
     out = []
-    graph_of_code = code_graph(PROJECT_ROOT)  # each module parsed once per process while unchanged
+    hashes = hashes or PROCESS_MEMO
     for st in graph:
-        code, objects = code_fingerprint(code_roots(st), graph_of_code)
+        code, objects = remembered_code_fingerprint(code_roots(st), hashes)
         sk = StageKey(
             stage=st.name,
             params={r: select(cfg, r) for r in st.reads},

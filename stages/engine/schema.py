@@ -227,7 +227,8 @@ class TrainConfig(Section):
     checkpoint_every: int = runtime(50, ge=1, description="optimizer steps between resume checkpoints (and at the "
                                     "last step)")
     keep_checkpoints: int = runtime(2, ge=1, description="resume checkpoints kept, the most recent ones")
-    log_every: int = runtime(10, ge=1, description="optimizer steps between log lines / metrics.jsonl records")
+    log_every: int = runtime(10, ge=1, description="optimizer steps between log lines (with the gradient norm "
+                             "before clipping); metrics.jsonl and TensorBoard record every step")
     num_processes: int = Field(1, ge=1, description="processes training together, one per GPU (gloo processes on "
                                "a CPU-only machine); > 1 runs the stage under `accelerate launch` with DDP. "
                                "Effective batch = micro_batch_size x gradient_accumulation_steps x num_processes, "
@@ -248,10 +249,12 @@ class TrainConfig(Section):
                                            "weights are the artifact's")
     early_stopping: EarlyStopping | None = Field(None, description="stop when select_best.metric has not improved for "
                                                  "`patience` validations; needs select_best; null: train every step")
-    divergence_factor: float | None = runtime(10.0, gt=1, description="stop with an error (nothing committed) when "
-                                              "the loss averaged over 10 steps exceeds this many times its running "
-                                              "median (losses under 0.1 exempt); null: only non-finite losses and "
-                                              "gradient norms stop training")
+    divergence_factor: float | None = runtime(10.0, gt=1, description="stop with a DivergenceError (exit 2, "
+                                              "nothing committed, the work folder kept) when the loss averaged over "
+                                              "the last 256 rows exceeds this many times its level: the median of "
+                                              "that average before, or the first step's loss when lower (averages "
+                                              "under 0.5 exempt); null: only a non-finite loss or gradient norm "
+                                              "stops training")
     max_skipped_steps: int = runtime(25, ge=1, description="fp16 grad scaler: optimizer steps it may skip in a row "
                                      "(gradient overflow, counted and logged) before training counts as diverged")
 

@@ -43,7 +43,14 @@ def test_micro_split_does_not_change_the_effective_batches():
         for micro in (1, 2, 8, 16):
             parts = split_micro(b, lengths, micro)
             assert sorted(i for p in parts for i in p) == sorted(b)
-            assert all(len(p) <= micro for p in parts)
+            assert [len(p) for p in parts] == [micro] * (len(b) // micro) + ([len(b) % micro] if len(b) % micro else [])
+
+
+def test_padding_share_counts_each_micro_batch_padded_to_its_longest_row():
+    # rows 0..3 of lengths 10, 2, 8, 8; micro-batches of 2, longest first: (10, 8) and (8, 2)
+    # computed 2 x 10 + 2 x 8 = 36 tokens for 28 real ones
+    assert padding_share([[0, 1, 2, 3]], [10, 2, 8, 8], 2) == pytest.approx(8 / 36, abs=1e-15)
+    assert padding_share([[0, 1, 2, 3]], [10, 2, 8, 8], 1) == 0.0
 
 
 @needs_shared_data

@@ -6,6 +6,8 @@ The real-size demo (1,024 reviews, ~5 min) is `make demo`, not part of the suite
 
 from __future__ import annotations
 
+import json
+
 import helpers
 import pytest
 from helpers import computed, needs_shared_data
@@ -14,6 +16,9 @@ from flows import summary
 from stages.engine.config import load_pipeline
 
 pytestmark = needs_shared_data
+# LoRA r=16 on 6 Linear layers x 6 blocks of all-MiniLM-L6-v2 (hidden 384, intermediate 1536): 4 of 384 x 384,
+# 384 x 1536 and 1536 x 384; the pooler (384 x 384 + 384) and the new classifier (384 x 2 + 2) in full
+TRAINABLE = 6 * 16 * (4 * (384 + 384) + 2 * (384 + 1536)) + 384 * 384 + 384 + 384 * 2 + 2  # 812,162
 TINY = ("data.subset={train: 16, validation: 8, test: 16}", "tokenize.max_length=64",
         "train.micro_batch_size=4", "train.gradient_accumulation_steps=2")
 ALL = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
@@ -34,9 +39,11 @@ def test_demo_tiny_slice_end_to_end_then_cached_without_prefect(store_dir, capsy
     assert list(out) == ALL and computed(out) == set(ALL)
     adapters = out["adapters"].manifest["metrics"]
     assert adapters["lora_modules"] == 36  # q, k, v, attention output, intermediate, output x 6 layers
-    assert {"classifier", "pooler"} <= set(adapters["modules_to_save"])
+    assert {"classifier", "pooler"} <= set(adapters["modules_to_save"]) and adapters["trainable"] == TRAINABLE
     test = out["evaluate"].manifest["metrics"]["splits"]["test"]
-    assert test["examples"] == 16 and 0 <= test["accuracy"] <= 1
+    preds = [json.loads(ln) for ln in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
+    right = sum(p["prediction"] == p["reference"] for p in preds if p["split"] == "test")
+    assert test["examples"] == 16 and test["accuracy"] == right / 16
 
     capsys.readouterr()
     assert summary.main(["demo", *SETS, "--if-cached"]) == 0
@@ -59,7 +66,7 @@ def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):
     assert layers["Linear4bit"] == 36  # every encoder Linear; pooler and classifier stay fp32
     assert layers["Linear"] == 2
     adapters = out["adapters"].manifest["metrics"]
-    assert adapters["lora_modules"] == 36 and adapters["trainable"] > 0
+    assert adapters["lora_modules"] == 36 and adapters["trainable"] == TRAINABLE  # the same LoRA on 4-bit layers
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-4bit"])

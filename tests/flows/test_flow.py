@@ -70,3 +70,44 @@ def test_stage_error_fails_the_flow_with_one_line(prefect_server, store_dir, tmp
     # an unknown stage name fails the flow with run_pipeline's one line, before any stage runs
     bad = finetune("tiny-imdb", SMALL, until="trian", return_state=True)
     assert bad.is_failed() and bad.message.startswith("ConfigError: --until trian: unknown stage; stages are data,")
+
+
+def flow_run_logs(flow_run_id) -> list:
+    """Every log record the API holds for this flow run (its tasks' too), oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogHandler
+
+    async def read():
+        await APILogHandler.aflush()  # the handler sends in batches
+        async with get_client() as client:
+            return await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                          sort=LogSort.TIMESTAMP_ASC)
+
+    return asyncio.run(read())
+
+
+def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkeypatch):
+    """The train stage's step lines, its progress lines (output is not a terminal here) and its final summary
+    are task-run logs of the train task in the Prefect API (what the UI shows), not only console output."""
+    from flows.flow import finetune
+
+    monkeypatch.setenv("FINETUNE_PROGRESS", "log")
+    state = finetune("tiny-imdb", {**SMALL, "train.log_every": 1}, until="train", return_state=True)
+    assert state.is_completed(), state.message
+    run_id = state.state_details.flow_run_id
+    train_task = next(iter(t for t, s in task_states(run_id).items() if t == "train"))
+    logs = flow_run_logs(run_id)
+    train = [rec.message for rec in logs if rec.name == "finetune.train"]
+    steps = [m for m in train if m.startswith("Epoch: 001 | Batch")]
+    assert [m.split(" | ")[2] for m in steps] == [f"Step {s:04d}/0005" for s in range(1, 6)], train
+    assert any(m.startswith("train:  20% (1/5 steps) | loss ") and "| ETA " in m for m in train), train
+    assert any(m.startswith("train: done, 5/5 steps in ") for m in train), train
+    assert train[-1].startswith(("train: done", "Epoch: 001 | Step 0005 | validation")), train
+    # they belong to the train task run (the UI's task-run logs), and the data stage's lines to data's
+    task_ids = {rec.task_run_id for rec in logs if rec.name == "finetune.train"}
+    assert len(task_ids) == 1 and None not in task_ids and train_task == "train"
+    assert any(rec.name == "finetune.data" and rec.message.startswith("data: ") for rec in logs)
+    # the flow's own outcome lines (log_prints) are there too
+    assert any(rec.message.lstrip().startswith("train ") and "computed" in rec.message for rec in logs)

@@ -33,7 +33,7 @@ def env(tmp_path_factory):
     """A pipeline file = the project's plus `small`, a store holding one full run of it."""
     root = tmp_path_factory.mktemp("inspect")
     config = root / "pipeline.yaml"
-    config.write_text((ROOT / "pipeline.yaml").read_text() + EXTRA)
+    config.write_text((ROOT / "pipeline.yaml").read_text().replace("\npipelines:\n", "\npipelines:" + EXTRA, 1))
     store = root / "store"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FINETUNE_STORE", str(store))
@@ -56,7 +56,9 @@ def test_status_names_the_changed_field_and_marks_dependents(env, capsys):
     report = json.loads(out)
     assert {s["stage"]: s["status"] for s in report["stages"]} == dict.fromkeys(stages, "cached")
     train = next(s for s in report["stages"] if s["stage"] == "train")
-    assert train["size_bytes"] > 0 and train["created"] and "final_loss" in train["metrics"]
+    folder = Path(train["path"])
+    on_disk = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert train["size_bytes"] == on_disk and train["created"] and "final_loss" in train["metrics"]
 
     # one tokenize field: tokenize and what consumes it (train) are stale; the rest stay cached
     rc, out = inspect(capsys, "status", PIPELINE, "--config", str(config), "--set", "tokenize.max_length=64",

@@ -15,10 +15,11 @@ from helpers import ROOT, needs_shared_data
 
 import flows  # noqa: F401  (project Prefect defaults)
 from flows import compare
+from flows.diff import diff, render_diff
 from flows.inspect import main as inspect_main
 from flows.sweep import main as sweep_main
 from flows.variants import adhoc, parse_grid, sweep
-from stages.engine.config import load_sweep
+from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
 from stages.graph import run_pipeline
@@ -95,13 +96,16 @@ def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
     assert err.startswith("error: sweeps.tiny-imdb-") and "variant lr=2: --set train.lr: must be < 1" in err
     assert sweep_main(["no-such-sweep", "--config", str(config)]) == 2
     assert "unknown sweep 'no-such-sweep'; available: accumulation" in capsys.readouterr().err
+    assert sweep_main(["tiny-imdb", "--config", str(config)]) == 2
+    assert "tiny-imdb is a pipeline, not a sweep: give --grid" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the flow, compare and diff
 
 
 @needs_shared_data
-def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server, config, store_dir, capsys):
+def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server, config, store_dir):
+    # no capsys in the tests that run flows: Prefect's log handler would keep its closed stream
     from flows.sweep_flow import run_sweep
 
     state = run_sweep("lr-pair", parallel=1, config=str(config), return_state=True)
@@ -109,11 +113,12 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
     assert [r["run"] for r in state.result()] == ["lr=0.001", "lr=0.01"]
     counts = computed_per_stage(store_dir)
     assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
-    assert (store_dir / "sweeps" / "lr-pair" / "chart.png").stat().st_size > 1000
+    folder = store_dir / "sweeps" / "lr-pair"
+    assert (folder / "chart.png").stat().st_size > 1000
 
-    capsys.readouterr()
-    assert inspect_main(["compare", "--sweep", "lr-pair", "--config", str(config), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    # what `compare --sweep lr-pair --json` prints (and the sweep wrote beside its chart)
+    report = json.loads(json.dumps(compare.compare(sweep("lr-pair", config), Store(store_dir)).to_json(), default=str))
+    assert json.loads((folder / "comparison.json").read_text()) == report
     assert report["metric"] == "test.accuracy" and len(report["variants"]) == 2
     by = {v["params"]["train.lr"]: v for v in report["variants"]}
     assert set(by) == {1e-3, 1e-2}
@@ -124,28 +129,25 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
         assert run["shared"] == list(SHARED) and run["train_s"] > 0 and run["trainable"] > 0
     means = [v["mean"] for v in report["variants"]]
     assert means == sorted(means, reverse=True) and [v["rank"] for v in report["variants"]] == [1, 2]
-
-    assert inspect_main(["compare", "--sweep", "lr-pair", "--config", str(config), "--csv"]) == 0
-    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    rows = list(csv.DictReader(io.StringIO((folder / "runs.csv").read_text())))
     assert sorted(float(r["train.lr"]) for r in rows) == [1e-3, 1e-2] and all(r["status"] == "done" for r in rows)
 
     # diff: lr changes train (why: the param) and what consumes it (why: its upstream); the rest is shared
-    assert inspect_main(["diff", "tiny-imdb", "--set-a", "data.subset={train: 16, validation: 4, test: 8}",
-                         "--set-a", "train.max_steps=2", "--set-a", "train.lr=1e-3",
-                         "--set", "data.subset={train: 16, validation: 4, test: 8}", "--set", "train.max_steps=2",
-                         "--set", "train.lr=1e-2", "--config", str(config), "--json"]) == 1
-    d = json.loads(capsys.readouterr().out)
+    common = ["data.subset={train: 16, validation: 4, test: 8}", "train.max_steps=2"]
+    d = diff(load_pipeline("tiny-imdb", [*common, "train.lr=1e-3"], config),
+             load_pipeline("tiny-imdb", [*common, "train.lr=1e-2"], config), Store(store_dir))
     stages = {s["stage"]: s for s in d["stages"]}
     assert {s for s, v in stages.items() if v["shared"]} == set(SHARED)
     assert stages["train"]["why"] == ["changed params: train.lr"]
     assert stages["evaluate"]["why"] == ["changed upstream: train"]
     assert d["params"] == [{"param": "train.lr", "a": 1e-3, "b": 1e-2}]
     acc = next(m for m in d["metrics"] if m["metric"] == "evaluate.test.accuracy")
-    assert acc["a"] == by[1e-3]["mean"] and acc["b"] == by[1e-2]["mean"]
+    assert (acc["a"], acc["b"]) == (by[1e-3]["mean"], by[1e-2]["mean"]) and not acc["a_stale"]
+    assert "train.lr" in render_diff(d) and "changed params: train.lr" in render_diff(d)
 
 
 @needs_shared_data
-def test_parallel_children_share_stages_through_the_store_lock(prefect_server, config, store_dir, capsys):
+def test_parallel_children_share_stages_through_the_store_lock(prefect_server, config, store_dir):
     from flows.sweep_flow import run_sweep
 
     assert run_sweep("lr-pair", parallel=2, config=str(config), return_state=True).is_completed()
@@ -176,6 +178,15 @@ def test_compare_lists_runs_not_yet_run_and_stale_results(config, store_dir, cap
     acc = outcomes["evaluate"].manifest["metrics"]["splits"]["test"]["accuracy"]
     assert f"| 1 | 0.001 | 1 | {100 * acc:.1f}% |" in out and "| done |" in out
     assert "| - | 0.01 | 0 | - |" in out and "| not run |" in out
+    assert inspect_main([*args, "--json"]) == 1
+    rows = {v["params"]["train.lr"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    assert rows[1e-3]["mean"] == acc and rows[1e-3]["status"] == "done" and rows[1e-2]["status"] == "not run"
+    assert inspect_main([*args, "--csv"]) == 1
+    assert [r["status"] for r in csv.DictReader(io.StringIO(capsys.readouterr().out))] == ["done", "not run"]
+    assert inspect_main(["diff", "tiny-imdb", "--set-a", "train.lr=1e-3", "--set", "train.lr=1e-2",
+                         "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "  train     differs" in out and "changed params: train.lr" in out and "  model     shared" in out
 
     # the same parameters, another key (code changed since): shown with its results, marked stale
     ev = outcomes["evaluate"]

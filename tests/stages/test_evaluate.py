@@ -47,7 +47,8 @@ def test_rouge_equals_an_independent_rouge_score_computation_on_100_real_bills()
     theirs = {k: v / len(bills) for k, v in sums.items()}
     diff = max(abs(ours[k] - theirs[k]) for k in theirs)
     print(f"ROUGE on 100 real bills: {ours}; max |ours - rouge_score| = {diff:.1e}")
-    assert diff <= 1e-9
+    assert diff == 0  # the shipped evaluate module computes exactly what rouge_score's per-example mean is
+    assert metrics.rouge(preds, refs, jobs=2) == ours  # scored by two joblib workers: the same numbers
     assert 0.1 < ours["rouge1"] < 0.9 and ours["rouge2"] < ours["rouge1"]  # a real, non-degenerate score
 
 
@@ -70,7 +71,8 @@ def test_classification_metrics_match_sklearn():
     assert m["macro_f1"] == pytest.approx(f1_score(refs, preds, average="macro"), abs=1e-12)
     assert m["confusion_matrix"] == confusion_matrix(refs, preds, labels=[0, 1, 2]).tolist()
     # a class that never occurs is left out of the macro average, as sklearn does for absent labels
-    assert metrics.macro_f1([0, 1], [0, 1], 3) == pytest.approx(f1_score([0, 1], [0, 1], average="macro"))
+    assert metrics.compute(["f1"], [0, 1], [0, 1])["macro_f1"] == pytest.approx(f1_score([0, 1], [0, 1],
+                                                                                          average="macro"))
 
 
 # ---------------------------------------------------------------- end to end on CPU
@@ -78,6 +80,8 @@ def test_classification_metrics_match_sklearn():
 
 @needs_shared_data
 def test_classifier_pipeline_runs_end_to_end(store, capfd):
+    from sklearn.metrics import f1_score
+
     out = helpers.run("tiny-imdb", *IMDB)
     assert list(out) == ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
     ev = out["evaluate"].path
@@ -89,12 +93,15 @@ def test_classifier_pipeline_runs_end_to_end(store, capfd):
         ids = [str(x) for x in read_split(out["data"].path, split).column("id").to_pylist()]
         assert [r["id"] for r in rows] == ids  # every example once, in split order
         labels = read_split(out["data"].path, split).column("label").to_pylist()
-        assert [r["reference"] for r in rows] == labels
+        assert [r["reference_id"] for r in rows] == labels
+        assert [r["reference"] for r in rows] == [["neg", "pos"][x] for x in labels]  # IMDB names its classes
+        assert all(r["prediction"] == ["neg", "pos"][r["prediction_id"]] for r in rows)
         assert m[split]["examples"] == n and sum(map(sum, m[split]["confusion_matrix"])) == n
         assert m[split]["accuracy"] == pytest.approx(sum(r["prediction"] == r["reference"] for r in rows) / n)
         cm = m[split]["confusion_matrix"]
         assert [sum(row) for row in cm] == [labels.count(0), labels.count(1)]
-        assert 0 <= m[split]["macro_f1"] <= 1
+        assert m[split]["macro_f1"] == pytest.approx(
+            f1_score([r["reference"] for r in rows], [r["prediction"] for r in rows], average="macro"), abs=1e-12)
     assert out["evaluate"].manifest["metrics"]["splits"] == m
     assert "evaluate test" in capfd.readouterr().err  # the progress bar over evaluation batches
 
@@ -201,3 +208,97 @@ def test_batched_generation_equals_one_at_a_time(decoder_only):
     single = generate(model, prompts, _Tok(), gen, 1, cpu, decoder_only, "test")
     assert batched == single
     assert all(1 <= n <= 6 for n in batched[1]) and len(set(batched[0])) >= 3
+
+
+# ---------------------------------------------------------------- evaluate modules: today's numbers, names, paths
+
+
+def todays_accuracy(predictions: list[int], references: list[int]) -> float:
+    """The project's accuracy before it used `evaluate` (stages/common/metrics.py at commit 2ed7e19)."""
+    return sum(int(p) == int(r) for p, r in zip(predictions, references, strict=True)) / len(references)
+
+
+def todays_macro_f1(predictions: list[int], references: list[int], num_labels: int) -> float:
+    """The project's macro-F1 before it used `evaluate`: from the confusion matrix, classes present only."""
+    m = [[0] * num_labels for _ in range(num_labels)]
+    for p, r in zip(predictions, references, strict=True):
+        m[r][p] += 1
+    scores = []
+    for c in range(num_labels):
+        predicted, actual = sum(m[r][c] for r in range(num_labels)), sum(m[c])
+        if predicted or actual:
+            scores.append(2 * m[c][c] / (predicted + actual))
+    return sum(scores) / len(scores)
+
+
+@needs_shared_data
+def test_evaluate_modules_equal_todays_metrics_on_real_imdb_predictions():
+    """A fixed word rule's predictions on the 25,000 real IMDB test reviews: the shipped accuracy and f1
+    modules give exactly (difference 0) the numbers of the code they replaced, and sklearn's."""
+    import pandas as pd
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score
+
+    df = pd.read_csv(SHARED_DATA / "imdb" / "test.csv.gz", keep_default_na=False)
+    low = df["text"].str.lower()
+    preds = ((low.str.count(r"\bgreat\b") + low.str.count(r"\bbest\b")) >
+             (low.str.count(r"\bbad\b") + low.str.count(r"\bworst\b"))).astype(int).tolist()
+    refs = df["label"].tolist()
+    m = metrics.classification_metrics(preds, refs, 2)
+    print(f"IMDB test, word rule: accuracy {m['accuracy']:.4f}, macro-F1 {m['macro_f1']:.4f}")
+    assert m["accuracy"] - todays_accuracy(preds, refs) == 0
+    assert m["macro_f1"] - todays_macro_f1(preds, refs, 2) == 0
+    assert m["accuracy"] == pytest.approx(accuracy_score(refs, preds), abs=1e-12)
+    assert m["macro_f1"] == pytest.approx(f1_score(refs, preds, average="macro"), abs=1e-12)
+    assert m["confusion_matrix"] == confusion_matrix(refs, preds).tolist() and m["examples"] == 25000
+    # a class nobody predicts and nobody is: left out of the average, as before
+    three = metrics.classification_metrics(preds[:500], refs[:500], 3)
+    assert three["macro_f1"] == todays_macro_f1(preds[:500], refs[:500], 3)
+
+
+EXACT_MATCH = '''
+import datasets
+import evaluate
+
+
+class ExactMatch(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(description="share of identical texts", citation="", inputs_description="",
+                                   features=datasets.Features({"predictions": datasets.Value("string"),
+                                                               "references": datasets.Value("string")}))
+
+    def _compute(self, predictions, references):
+        return {"exact_match": sum(p == r for p, r in zip(predictions, references)) / max(len(references), 1)}
+'''
+
+
+def test_metrics_by_name_or_path_offline(tmp_path, monkeypatch):
+    """Shipped names load offline; a path loads the user's own module (its file is in the evaluate key);
+    other names go to the hub, which offline is one line naming the fix; a module that cannot score the
+    task's predictions is refused when the pipeline is planned."""
+    from stages.engine.config import load_pipeline
+    from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
+    from stages.graph import plan
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    module = tmp_path / "exact_match"
+    module.mkdir()
+    (module / "exact_match.py").write_text(EXACT_MATCH)
+    got = metrics.compute(["rouge", str(module)], ["the cat sat", "a dog"], ["the cat sat", "dogs bark"])
+    assert got["exact_match"] == 0.5 and set(got) == {*metrics.ROUGE_TYPES, "exact_match"}
+
+    def evaluate_key() -> str:
+        items = plan(load_pipeline("tiny-billsum", [f"evaluate.metrics=[rouge, {module}]"]))
+        return next(i.key.key for i in items if i.stage.name == "evaluate")
+
+    before = evaluate_key()
+    (module / "exact_match.py").write_text(EXACT_MATCH.replace("share of identical", "identical"))
+    assert evaluate_key() != before
+
+    with pytest.raises(HubUnreachableError, match=r"^evaluate.metrics bleu: the hub is off .* list the project's "
+                                                  r"offline modules \(accuracy, f1, rouge\)"):
+        metrics.load("bleu")
+    with pytest.raises(MissingInputError, match="evaluate.metrics ./nowhere/exact_match: no such file or folder"):
+        metrics.module_path("./nowhere/exact_match")
+    with pytest.raises(ConfigError, match="evaluate.metrics rouge: scores texts, but model.task seq_cls predicts "
+                                          "labels; use accuracy, f1"):
+        plan(load_pipeline("tiny-imdb", ["evaluate.metrics=[rouge]"]))

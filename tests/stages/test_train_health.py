@@ -152,7 +152,7 @@ def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_
     # improvement: the rerun needs both the best weights and the patience count from it
     kill_at = next(s for s in range(best + 3, end) if s % 3 and (s // 3) * 3 > best + 2)
     work, out = tmp_path / "work", tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (ROOT, HERE, HERE.parent)))}
     proc = subprocess.Popen([sys.executable, "-c", f"from test_train_health import child; child({str(work)!r}, "
                              f"{str(out)!r})"], cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -177,3 +177,29 @@ def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_
     assert any(f"resumed from step {resumed_at} " in r.message for r in caplog.records)
     assert m["best"] == ref_metrics["best"] and m["stopped"] == ref_metrics["stopped"] and m["steps"] == end
     assert max_diff(weights, ref_weights) == 0
+
+
+@needs_shared_data
+def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_shows_them(store_dir):
+    from flows.summary import render, stage_rows
+    from stages.engine.config import load_pipeline
+    from stages.engine.remote_store import open_store
+
+    sets = ["data.subset={train: 48, validation: 16, test: 8}", "train.max_steps=8", "train.lr=1e-2",
+            "train.eval_every=2", "train.select_best={metric: val_loss}"]
+    art = run("tiny-imdb", *sets, until="train")["train"]
+    m = art.manifest["metrics"]
+    vals = {v["step"]: v["val_loss"] for v in m["validation"]}
+    print(m["best"], vals)
+    assert sorted(vals) == [2, 4, 6, 8] and m["stopped"] == "completed: 8 of 8 steps"
+    assert m["best"] == {"metric": "val_loss", "mode": "min", "step": min(vals, key=vals.get),
+                         "value": min(vals.values())}
+    trained = load_file(str(art.path / "trained" / "model.safetensors"))
+    last = load_file(str(art.path / "last" / "trainable.safetensors"))
+    shared = sorted(set(trained) & set(last))
+    assert len(shared) > 10
+    same = all(torch.equal(trained[k], last[k]) for k in shared)
+    assert m["best"]["step"] < 8 and not same  # trained/ holds the best step's weights, last/ the 8th step's
+    cfg = load_pipeline("tiny-imdb", sets)
+    text = render(cfg, stage_rows(cfg, open_store()))
+    assert f"best: val_loss {m['best']['value']:.4f} at step {m['best']['step']} of 8" in text

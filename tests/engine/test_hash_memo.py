@@ -1,0 +1,67 @@
+"""Input-file hashes are remembered across processes (the store's .state/hashes.sqlite): an unchanged file
+is not read again; a change to its bytes, mtime or ctime re-hashes it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from stages.engine import fingerprint
+from stages.engine.fingerprint import HashMemo, inputs_digest
+from stages.engine.store import Store
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Paths whose bytes were read to hash them."""
+    seen: list[str] = []
+    real = fingerprint.file_sha256
+
+    def counting(path):
+        seen.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(fingerprint, "file_sha256", counting)
+    return seen
+
+
+def test_a_fresh_process_reads_no_unchanged_file(tmp_path, reads):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"shard{i}.safetensors").write_bytes(os.urandom(1000 + i))
+    db = tmp_path / "store" / ".state" / "hashes.sqlite"
+    first = inputs_digest([folder], HashMemo(db))
+    assert sorted(reads) == ["shard0.safetensors", "shard1.safetensors", "shard2.safetensors"]
+    assert first["model/shard1.safetensors"] == hashlib.sha256((folder / "shard1.safetensors").read_bytes()).hexdigest()
+    reads.clear()
+    assert inputs_digest([folder], HashMemo(db)) == first  # a new memo object: as a new process would
+    assert reads == []
+
+
+def test_any_stat_change_rehashes(tmp_path, reads):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"a" * 4096)
+    db = tmp_path / "memo.sqlite"
+    before = HashMemo(db).sha256(f)
+    st = f.stat()
+    f.write_bytes(b"b" * 4096)  # same size; put the old mtime back: only ctime tells
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    reads.clear()
+    after = HashMemo(db).sha256(f)
+    assert reads == ["weights.bin"] and after != before
+    assert after == hashlib.sha256(b"b" * 4096).hexdigest()
+    reads.clear()
+    os.utime(f)  # a touch: same bytes, new mtime -> read again, same hash
+    assert HashMemo(db).sha256(f) == after and reads == ["weights.bin"]
+
+
+def test_the_store_keeps_its_memo(tmp_path):
+    store = Store(tmp_path / "store")
+    f = tmp_path / "x.txt"
+    f.write_text("x")
+    store.hashes().sha256(f)
+    assert (tmp_path / "store" / ".state" / "hashes.sqlite").is_file()
+    assert [e for e in store.entries()] == []  # the memo is not an artifact
