@@ -4,8 +4,7 @@ compare: one row per variant — the parameters that differ, the evaluation metr
 train time, real tokens/s, footprint, trainable parameters, the stages it shares with other runs of the
 sweep — ranked by the sweep's metric; variants not yet run are listed as such. A run whose artifacts exist
 only for an earlier code or library version (same parameters all the way up) is shown with those results,
-marked `stale`. The sweep's folder of the store (sweeps/<name>/) gets the table, the runs as CSV and JSON,
-and a chart: the metric per variant and the loss curves overlaid.
+marked `stale`. flows/sweep_report.py writes it into the sweep's folder of the store, with a chart.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import json
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from flows.variants import Run, Sweep, fmt, short_names
@@ -216,7 +214,7 @@ def compare(sw: Sweep, store: Store | RemoteStore) -> Comparison:
 # ---------------------------------------------------------------- rendering
 
 
-def _pm(mean: float | None, sd: float | None, pct: bool) -> str:
+def pm(mean: float | None, sd: float | None, pct: bool) -> str:
     if mean is None:
         return "-"
     scale, unit = (100, "%") if pct else (1, "")
@@ -234,7 +232,7 @@ def _gap(gap: tuple[float, float | None, int] | None, pct: bool) -> str:
     return f"{mean:+.4g}" + (f" ± {sd:.2g}" if sd is not None else "")
 
 
-def _is_share(metric: str) -> bool:
+def is_share(metric: str) -> bool:
     return metric.rsplit(".", 1)[-1] in ("accuracy", "macro_f1", "f1", "precision", "recall")
 
 
@@ -251,17 +249,17 @@ def table_rows(c: Comparison) -> list[dict[str, Any]]:
     rows = []
     for v in c.variants:
         gap = c.paired_gap(v)
-        pct = _is_share(m)
+        pct = is_share(m)
         row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: fmt(val) for k, val in v.params.items()},
                                "seeds": f"{len(v.values())}/{len(v.runs)}" if c.sweep.config.seeds else
                                len(v.values()),
-                               m: _pm(v.mean(), v.sd(), pct)}
+                               m: pm(v.mean(), v.sd(), pct)}
         if len(c.variants) > 1:
-            row[f"vs {c.baseline}"] = ("baseline" if v.variant == c.baseline else _gap(gap, pct))
+            row["vs baseline"] = ("baseline" if v.variant == c.baseline else _gap(gap, pct))
         for k in others:
             if k.rsplit(".", 1)[-1] in ("examples", "loss", "perplexity", "tokens"):
                 continue
-            row[k] = _pm(v.mean(k), None, _is_share(k))
+            row[k] = pm(v.mean(k), None, is_share(k))
         train_s, tps = _avg(v.runs, "train_s"), _avg(v.runs, "tokens_per_s")
         row["train s"] = f"{train_s:.0f}" if train_s is not None else "-"
         row["real tokens/s"] = f"{tps:.0f}" if tps is not None else "-"
@@ -296,7 +294,7 @@ def render(c: Comparison) -> str:
     gaps = [(v, g) for v in c.variants if (g := c.paired_gap(v))]
     if gaps:
         lines.append("")
-        pct = _is_share(cfg.metric)
+        pct = is_share(cfg.metric)
         for v, g in gaps:
             lines.append(f"{v.variant} - {c.baseline}: {_gap(g, pct)} ({cfg.metric}, paired by seed, n={g[2]})")
     return "\n".join(lines)
@@ -318,91 +316,3 @@ def runs_csv(c: Comparison) -> str:
                         *(r.metrics.get(m, "") for m in metrics), r.train_s, r.tokens_per_s, r.steps, r.final_loss,
                         r.footprint_bytes, r.trainable, " ".join(r.shared)])
     return buf.getvalue()
-
-
-# ---------------------------------------------------------------- the sweep's folder: files and the chart
-
-
-def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
-    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    local = store.local if isinstance(store, RemoteStore) else store
-    return local.root / "sweeps" / name
-
-
-def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
-    folder = sweep_dir(store, c.sweep.name)
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {"table": folder / "comparison.md", "json": folder / "comparison.json", "csv": folder / "runs.csv",
-             "chart": folder / "chart.png"}
-    files["table"].write_text(render(c) + "\n")
-    files["json"].write_text(json.dumps(c.to_json(), indent=2, default=str))
-    files["csv"].write_text(runs_csv(c))
-    plot(c, store, files["chart"])
-    return files
-
-
-def loss_curve(folder: Path) -> list[tuple[int, float]]:
-    path = folder / "metrics.jsonl"
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind", "train") == "train" and isinstance(rec.get("loss"), int | float):
-                out.append((rec["step"], rec["loss"]))
-    return out
-
-
-def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
-    """Left: the metric per variant (mean, sd bar, one dot per seed). Right: every run's training loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    m = c.sweep.config.metric
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, v in enumerate(c.variants):
-        color = colors[i % len(colors)]
-        vals = v.values()
-        if vals:
-            ax1.bar(i, v.mean(), yerr=v.sd() or 0, color=color, alpha=0.6, capsize=4)
-            ax1.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
-            ax1.annotate(f"{_pm(v.mean(), v.sd(), _is_share(m))} (n={len(vals)})", (i, max(vals)),
-                         textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-        for r in v.runs:
-            if "train" in r.keys:
-                curve = loss_curve(store.artifact_dir("train", r.keys["train"]))
-                if curve:
-                    ax2.plot(*zip(*curve, strict=True), color=color, alpha=0.7, linewidth=1,
-                             label=v.variant if r is v.runs[0] else None)
-    ax1.set_xticks(range(len(c.variants)), [v.variant for v in c.variants], rotation=20, ha="right", fontsize=8)
-    ax1.set_ylabel(m)
-    done = [x for v in c.variants for x in v.values()]
-    if done:
-        lo, hi = min(done), max(done)
-        ax1.set_ylim(lo - 0.2 * (hi - lo + 1e-3) - 0.01, hi + 0.2 * (hi - lo + 1e-3) + 0.01)
-    ax1.set_title(f"{c.sweep.name}: {m} per variant")
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("training loss")
-    ax2.set_title("loss curves")
-    if ax2.lines:
-        ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-
-
-def chart_markdown(c: Comparison, files: dict[str, Path]) -> str:
-    import base64
-
-    png = files["chart"]
-    lines = [f"### sweep {c.sweep.name}", "", render(c), ""]
-    if png.is_file() and png.stat().st_size < 300_000:
-        lines += [f"![{c.sweep.config.metric} per variant, loss curves]"
-                  f"(data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
-    lines += [f"chart: `{png}`", f"table: `{files['table']}` · runs: `{files['csv']}` · `{files['json']}`"]
-    return "\n".join(lines)

@@ -40,17 +40,35 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
 STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in stage_names()}
 
 
+class InPrefectRun(logging.Filter):
+    """Only records made inside a flow or task run go to the API: a stage run outside any flow in a process
+    that also runs flows (a test session, a sweep) logs to the console alone, instead of Prefect warning
+    that it has no flow run to send to."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        return TaskRunContext.get() is not None or FlowRunContext.get() is not None
+
+
 def send_stage_logs_to_prefect() -> None:
-    """The `finetune` logger at INFO (see flows/__init__.py for why) with the handlers of Prefect's
-    `prefect.extra` logger (its API handler: task-run logs in the UI), as PREFECT_LOGGING_EXTRA_LOGGERS does
-    when it is set before Prefect configures logging; this covers a process that imported Prefect first or
-    never ran flows/__init__.py (a test session, a user's script). Idempotent."""
+    """The `finetune` logger at INFO (see flows/__init__.py for why) with Prefect's API handler (task-run
+    logs in the UI), only for records made in a run. In every process that imports this module: the
+    deployment's flow-run process, a test session that imported Prefect first. Idempotent; replaces the
+    handler PREFECT_LOGGING_EXTRA_LOGGERS=finetune would have added (no line twice)."""
+    from prefect.logging.handlers import APILogHandler
+
     stage_log = logging.getLogger("finetune")
     if stage_log.level == logging.NOTSET:
         stage_log.setLevel(logging.INFO)
-    for handler in logging.getLogger("prefect.extra").handlers:
-        if handler not in stage_log.handlers:
-            stage_log.addHandler(handler)
+    ours = [h for h in stage_log.handlers if any(isinstance(f, InPrefectRun) for f in h.filters)]
+    for handler in stage_log.handlers[:]:
+        if isinstance(handler, APILogHandler) and handler not in ours:
+            stage_log.removeHandler(handler)
+    if not ours:
+        handler = APILogHandler()
+        handler.addFilter(InPrefectRun())
+        stage_log.addHandler(handler)
 
 
 class UserErrorTracebackToDebug(logging.Filter):

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         statuses = pipeline_status(cfg, store)
         if args.command == "status":
             if args.json:
-                print(json.dumps({"pipeline": cfg.name, "store": store,
+                print(json.dumps({"pipeline": cfg.name, "store": str(store),
                                   "stages": [s.to_json() for s in statuses]}, indent=2))
             else:
                 print(render_status(cfg.name, store, statuses))
@@ -207,7 +207,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
-        print(json.dumps({"store": store, "dry_run": not args.force, "total_bytes": total,
+        print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,
                           "items": [g.__dict__ for g in garbage]}, indent=2))
         return 0
     if not garbage:

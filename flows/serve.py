@@ -21,6 +21,7 @@ import sys
 import time
 
 import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
+from flows.serve_stop import serve_until_stopped
 from flows.variants import sweep
 from stages.engine.cli import guarded
 from stages.engine.config import load_pipeline, pipeline_names, store_root, sweep_names
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
                    help="how long to wait for the Prefect server to answer (default 10)")
     args = p.parse_args(argv)
-    # SIGTERM = Ctrl-C until Prefect's runner installs its own graceful handler (and after it returns)
+    # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then flows/serve_stop.py stops serving
+    # within seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> int:
@@ -124,7 +127,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
-    from prefect import serve
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     api_url = PREFECT_API_URL.value()
@@ -138,7 +140,7 @@ def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
         deps = deployments(names)
         print(f"serving {len(deps)} deployments on {api_url} (UI: {api_url.removesuffix('/api')}); "
               f"store {store_root()}; Ctrl-C to stop", flush=True)
-        serve(*deps, limit=args.limit)  # returns on Ctrl-C / SIGTERM
+        serve_until_stopped(deps, args.limit, api_url)  # returns on Ctrl-C / SIGTERM
     print("flows.serve: stopped", flush=True)
     return 0
 

@@ -25,7 +25,7 @@ from prefect.flow_engine import run_flow_in_subprocess
 from prefect.futures import as_completed
 from prefect.states import Failed, State
 
-from flows import compare
+from flows import compare, sweep_report
 from flows.artifacts import artifact_key
 from flows.flow import finetune
 from flows.variants import Run, Sweep, from_spec, sweep
@@ -36,8 +36,20 @@ from stages.engine.remote_store import open_store
 log = logging.getLogger("finetune.sweep")
 
 
+_CHILDREN: set[Any] = set()  # the child processes running now (ended when the sweep is interrupted)
+
+
 class ChildRunFailed(Exception):
     """A variant's child flow run ended in a state other than Completed."""
+
+
+def _stop_children() -> None:
+    """Ctrl-C / SIGTERM reach the sweep's main thread, not the threads waiting on children: end the children,
+    which resume from their checkpoints on the next run."""
+    for proc in list(_CHILDREN):
+        proc.terminate()
+    for proc in list(_CHILDREN):
+        proc.join(30)
 
 
 @task(name="variant", cache_policy=NONE)
@@ -63,12 +75,11 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
     proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
                                   context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
                                   env={"PREFECT_API_URL": api_url})
+    _CHILDREN.add(proc)
     try:
         proc.join()
     finally:
-        if proc.is_alive():  # the sweep was interrupted: do not leave the child training
-            proc.terminate()
-            proc.join(30)
+        _CHILDREN.discard(proc)
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(child.id).state
     return _outcome(run, child.name, state, proc.exitcode)
@@ -113,6 +124,19 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
         api_url = str(client.api_url)
     print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
           f"{f' x {len(sw.config.seeds)} seeds' if sw.config.seeds else ''}), {max(1, parallel)} at a time")
+    try:
+        results, failed = _run_all(sw, parallel, config, api_url, on_workers)
+    except BaseException:
+        _stop_children()
+        raise
+    publish(sw)
+    if failed:
+        return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))
+    return results
+
+
+def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
+    """Keep `parallel` child runs going until every run has finished: (their summaries, the failures)."""
     pending, active, results, failed = list(sw.runs), {}, [], []
     while pending or active:
         while pending and len(active) < max(1, parallel):
@@ -125,10 +149,7 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
             results.append(done.result())
         except Exception as e:  # noqa: BLE001  (a failed child: the others go on, the sweep fails at the end)
             failed.append(f"{run.label}: {e}")
-    publish(sw)
-    if failed:
-        return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))
-    return results
+    return results, failed
 
 
 def publish(sw: Sweep) -> None:
@@ -140,8 +161,8 @@ def publish(sw: Sweep) -> None:
         create_table_artifact(table=compare.table_rows(comparison), key=key,
                               description=f"sweep {sw.name}: {sw.config.description or sw.config.pipeline}, "
                               f"ranked by {sw.config.metric} ({sw.config.mode})")
-        files = compare.write_outputs(comparison, open_store())
-        create_markdown_artifact(markdown=compare.chart_markdown(comparison, files), key=f"{key}-chart",
+        files = sweep_report.write_outputs(comparison, open_store())
+        create_markdown_artifact(markdown=sweep_report.chart_markdown(comparison, files), key=f"{key}-chart",
                                  description=f"sweep {sw.name}: {sw.config.metric} per variant, loss curves")
     except Exception as e:  # noqa: BLE001
         log.warning("sweep %s: comparison artifacts not published: %s", sw.name, e)

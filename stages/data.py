@@ -15,21 +15,17 @@ The manifest records the names.
 from __future__ import annotations
 
 import functools
-import gzip
 import os
-import shutil
-import tarfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from stages.common import aclimdb
 from stages.common.arrow import write_arrow
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.parallel import map_chunks, n_jobs
 from stages.engine.schema import PipelineConfig
 
 SPLITS = ("train", "validation", "test")
@@ -37,7 +33,6 @@ HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
-PARALLEL_MIN_FILES = 2000  # fewer review files are read serially (starting workers costs more)
 
 
 # ------------------------------------------------------------------ where the data comes from
@@ -111,99 +106,11 @@ def _split_of(name: str) -> str | None:
     return None
 
 
-def read_texts(paths: Sequence[Path]) -> list[str]:
-    return [Path(f).read_text(encoding="utf-8") for f in paths]
-
-
-def _read_acl_folder(root: Path, jobs: int | None = None) -> dict[str, pd.DataFrame]:
-    """The 50k review files, read by joblib threads (file reads release the GIL), in aclImdb order."""
-    listing: list[tuple[str, int, Path]] = []
-    for split in ("test", "train"):
-        for label_name, label in (("pos", 1), ("neg", 0)):
-            folder = root / split / label_name
-            if not folder.is_dir():
-                raise MissingInputError(f"{root}: aclImdb folder lacks {split}/{label_name}; point data.path at "
-                                        f"the extracted aclImdb folder")
-            listing += [(f"{split}/{label_name}/{f}", label, folder / f) for f in sorted(os.listdir(folder))]
-    texts = map_chunks(read_texts, [p for _, _, p in listing], jobs=jobs, min_items=PARALLEL_MIN_FILES,
-                       prefer="threads")
-    frames = {}
-    for split in ("test", "train"):
-        rows = [(i, t, label) for (i, label, _), t in zip(listing, texts, strict=True) if i.startswith(split + "/")]
-        frames[split] = pd.DataFrame(rows, columns=["id", "text", "label"])
-    return frames
-
-
-def _acl_members(stream: Any) -> list[tuple[str, str, str, str]]:
-    """(split, pos|neg, file name, text) of every aclImdb/{train,test}/{pos,neg}/*.txt member of an
-    uncompressed tar stream, read front to back."""
-    out = []
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for m in tar:
-            parts = m.name.split("/")
-            if m.isfile() and len(parts) == 4 and parts[1] in ("train", "test") and parts[2] in ("pos", "neg"):
-                data = tar.extractfile(m).read().decode("utf-8")  # type: ignore[union-attr]
-                out.append((parts[1], parts[2], parts[3], data))
-    return out
-
-
-def _gunzip_into(path: Path, fd: int) -> None:
-    with gzip.open(path) as src, os.fdopen(fd, "wb", buffering=1 << 20) as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-
-
-def _read_tar_members(path: Path, jobs: int | None = None) -> list[tuple[str, str, str, str]]:
-    """A gzipped tarball is decompressed by one joblib thread (zlib releases the GIL) while another walks
-    the tar stream; the members come out in the same order as a serial read."""
-    gzipped = _is_gzip(path)
-    if not gzipped or n_jobs(jobs) == 1:
-        with (gzip.open(path) if gzipped else open(path, "rb")) as f:
-            return _acl_members(f)
-    from joblib import Parallel, delayed
-
-    r, w = os.pipe()
-    reader = os.fdopen(r, "rb", buffering=1 << 20)
-
-    def walk() -> list[tuple[str, str, str, str]]:
-        try:
-            members = _acl_members(reader)
-            while reader.read(1 << 20):  # the tar's end padding: the other thread writes until the gzip ends
-                pass
-            return members
-        finally:
-            reader.close()  # a failed walk stops the decompressing thread (broken pipe) instead of blocking it
-
-    # a failure of either thread is raised here: a corrupt gzip never passes for a shorter tar
-    _, members = Parallel(n_jobs=2, prefer="threads")([delayed(_gunzip_into)(path, w), delayed(walk)()])
-    return members
-
-
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def _read_acl_tarball(path: Path, jobs: int | None = None) -> dict[str, pd.DataFrame]:
-    texts: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    for split, label_name, name, text in _read_tar_members(path, jobs):
-        texts.setdefault((split, label_name), []).append((name, text))
-    frames = {}
-    for split in ("test", "train"):
-        rows = []
-        for label_name, label in (("pos", 1), ("neg", 0)):
-            for f, text in sorted(texts.get((split, label_name), [])):
-                rows.append((f"{split}/{label_name}/{f}", text, label))
-        frames[split] = pd.DataFrame(rows, columns=["id", "text", "label"])
-    if not any(len(f) for f in frames.values()):
-        raise MissingInputError(f"{path}: no aclImdb/{{train,test}}/{{pos,neg}}/*.txt members; is it aclImdb_v1.tar.gz?")
-    return frames
-
-
 def _read_local(path: Path) -> dict[str, pd.DataFrame]:
     if path.is_dir() and (path / "train" / "pos").is_dir():
-        return _read_acl_folder(path)
+        return aclimdb.read_folder(path)
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
-        return _read_acl_tarball(path)
+        return aclimdb.read_tarball(path)
     if path.is_file():
         return {"train": _read_table(path)}
     frames: dict[str, list[pd.DataFrame]] = {}
@@ -324,10 +231,12 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
         raise ConfigError(f"model.num_labels: cannot be inferred for data.source {cfg.data.source}; set "
                           f"model.num_labels, or name the classes in data.label_names")
     if names is not None and len(names) != n:
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        raise ConfigError(f"model.num_labels is {n} but the labels of data.label_column "
-                          f"'{cfg.data.label_column}' are {len(names)} names ({shown}); leave model.num_labels "
-                          f"out (null) to infer it, set data.label_names, or fix data.label_column")
+        shown = ", ".join(x if len(x) <= 20 else x[:17] + "..." for x in names[:4])
+        shown += ", ..." if len(names) > 4 else ""
+        where = ("data.label_names lists" if cfg.data.label_names is not None
+                 else f"data.label_column '{cfg.data.label_column}' holds")
+        raise ConfigError(f"model.num_labels is {n} but {where} {len(names)} names ({shown}); leave "
+                          f"model.num_labels out (null) to infer it, or fix data.label_names / data.label_column")
     if names == cfg.data.label_names and n == cfg.model.num_labels:
         return cfg
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"label_names": names}),

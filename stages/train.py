@@ -2,10 +2,9 @@
 
     setup (TrainRun.__init__)  ->  loop over optimizer steps (TrainRun.train)  ->  cleanup (TrainRun.finish)
 
-Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, fp32 on CPU), accelerate's
-`Accelerator` (device placement, autocast, scaler, several GPUs without a rewrite), gradient
-checkpointing, optimizer and LR schedule (stages/common/optim.py), and the latest resume checkpoint from
-`work_dir` if a run of this same key was killed.
+Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, fp32 on CPU) and accelerate's
+`Accelerator` (stages/common/device.py), optimizer and LR schedule (stages/common/optim.py), and the
+latest resume checkpoint from `work_dir` if a run of this same key was killed.
 
 Loop: each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps
 rows, chosen by a seeded length-grouped sampler: stages/common/batching.py), cuts it into micro-batches
@@ -16,20 +15,17 @@ same gradients (transformers' Trainer instead scales by the number of micro-batc
 out-of-memory error halves the micro-batch and doubles accumulation (the same effective batch) and
 retries the step. Before each optimizer step the gradient norm is measured and the step checked for
 divergence; validation runs at each epoch end and every `train.eval_every` steps, and may keep the best
-weights and stop early (stages/common/health.py). Log lines, metrics.jsonl, TensorBoard and loss.png:
-stages/common/runlog.py.
+weights and stop early (stages/common/health.py). What the run shows and leaves: stages/common/runlog.py.
 
-Cleanup: the metrics and plot into the artifact, the best weights loaded back when train.select_best is
-set (the last ones beside them in last/), the trained weights saved by `run` (PEFT adapter for LoRA,
-the whole model for `full`).
+Cleanup: metrics and plot into the artifact; with train.select_best the best weights are loaded back (the
+last ones beside them, in last/); `run` saves the trained weights (PEFT adapter for LoRA, else the model).
 
 Several processes (train.num_processes > 1): `run` starts itself under `accelerate launch` (stages/
-common/distributed.py), one process per GPU (gloo processes on CPU), and waits. Effective batch =
-micro-batch x accumulation x processes; every process takes its shard of each effective batch
-(batching.shard), the loss denominator is the count over the whole global batch, and DDP averages the
-gradients (shard_window), so the weights equal one process's with accumulation x processes. Rank 0 alone
-validates, logs, checkpoints and writes the artifact. The OOM back-off is off there (one process cannot
-retry alone).
+common/distributed.py), one process per GPU (gloo processes on CPU). Effective batch = micro-batch x
+accumulation x processes; every process takes its shard of each effective batch, the loss denominator is
+the count over the whole global batch and DDP averages the gradients (shard_window), so the weights equal
+one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and writes the
+artifact. The OOM back-off is off there (one process cannot retry alone).
 """
 
 from __future__ import annotations
@@ -62,7 +58,7 @@ from stages.common.device import (
     seed_everything,
     upcast_trainable,
 )
-from stages.common.health import BestKeeper, Watchdog
+from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trainable, save_trained
@@ -132,7 +128,7 @@ class TrainRun:
         if not len(self.rows):
             raise MissingInputError("train: the train split is empty; check data.subset / data.split")
         self.val_rows = validation_rows(val_ds, tcfg.eval_max_examples)
-        check_health_settings(tcfg, task, self.val_rows is not None)
+        check_settings(tcfg, task, self.val_rows is not None)
         self.effective = tcfg.micro_batch_size * tcfg.gradient_accumulation_steps * self.world
         self.steps_per_epoch = math.ceil(len(self.rows) / self.effective)
         self.total_steps = tcfg.max_steps or math.ceil(tcfg.epochs * self.steps_per_epoch)
@@ -317,16 +313,6 @@ class TrainRun:
             "resumed_from_step": self.resumed_from,
             **health,
         }
-
-
-def check_health_settings(tcfg: Any, task: str, has_validation: bool) -> None:
-    asked = [name for name in ("eval_every", "select_best", "early_stopping") if getattr(tcfg, name) is not None]
-    if asked and not has_validation:
-        raise MissingInputError(f"train.{asked[0]}: there is no validation split to evaluate (or it is empty); "
-                                f"set data.split.validation, or set train.{asked[0]} to null")
-    if tcfg.select_best is not None and tcfg.select_best.metric == "val_accuracy" and task != "seq_cls":
-        raise ConfigError(f"train.select_best.metric: val_accuracy is measured for classifiers (model.task seq_cls) "
-                          f"only; use val_loss for {task}")
 
 
 # ====================================================================== the loss of one effective batch

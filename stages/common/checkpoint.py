@@ -51,7 +51,8 @@ class TrainingProgress:
     stopped: str | None = None  # why training ended before its planned steps (early stopping)
     skipped_steps: int = 0  # optimizer steps an fp16 grad scaler skipped (gradient overflow)
     skipped_in_a_row: int = 0
-    recent_losses: list[float] = field(default_factory=list)  # the divergence check's window
+    recent_losses: list[float] = field(default_factory=list)  # the divergence check's window of losses
+    recent_means: list[float] = field(default_factory=list)  # ... and its history of windowed means
 
 
 # ---------------------------------------------------------------- RNG states, weights_only-loadable

@@ -19,7 +19,6 @@ TrainingProgress.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import shutil
@@ -37,13 +36,24 @@ from stages.common.checkpoint import (
     load_trainable_state,
     trainable_state,
 )
-from stages.engine.errors import DivergenceError
+from stages.engine.errors import ConfigError, DivergenceError, MissingInputError
 
 SMOOTH_ROWS = 256  # rows the loss is averaged over before it is compared
 HISTORY = 100  # averaged values (steps) the level is the median of
 FLOOR = 0.5  # nats: an averaged loss under this has not diverged (near zero, tenfold is still small)
 FIX = ("lower train.lr, clip gradients (train.max_grad_norm, e.g. 1.0), or train in fp32 "
        "(train.mixed_precision=no)")
+
+
+def check_settings(tcfg: Any, task: str, has_validation: bool) -> None:
+    """Before training: the settings that need a validation split have one, the metric fits the task."""
+    asked = [name for name in ("eval_every", "select_best", "early_stopping") if getattr(tcfg, name) is not None]
+    if asked and not has_validation:
+        raise MissingInputError(f"train.{asked[0]}: there is no validation split to evaluate (or it is empty); "
+                                f"set data.split.validation, or set train.{asked[0]} to null")
+    if tcfg.select_best is not None and tcfg.select_best.metric == "val_accuracy" and task != "seq_cls":
+        raise ConfigError(f"train.select_best.metric: val_accuracy is measured for classifiers (model.task seq_cls) "
+                          f"only; use val_loss for {task}")
 
 
 class Watchdog:
@@ -59,19 +69,23 @@ class Watchdog:
             self.fail(step, f"the loss is {loss}")
         if not math.isfinite(grad_norm) and not self.scaled:
             self.fail(step, f"the gradient norm is {grad_norm} (loss {loss:.4g})")
-        window = progress.recent_losses
+        window, means = progress.recent_losses, progress.recent_means  # means: of whole windows only
+        n = min(self.smooth, len(window) + 1)
+        now = (math.fsum(window[len(window) - n + 1:]) + loss) / n
         if self.factor:
-            means = running_means([*window, loss], self.smooth)
-            earlier = means[self.smooth - 1:-self.smooth][-HISTORY:]  # whole windows sharing no step with now's
+            earlier = means[:len(means) - (self.smooth - 1)][-HISTORY:]  # windows sharing no step with now's
             # until there are such, the first step's loss is the level (and bounds it later: an explosion
             # in the first steps would otherwise set the level itself)
             level = min(statistics.median(earlier) if earlier else math.inf, progress.first_loss or math.inf)
-            if level < math.inf and (now := means[-1]) > max(self.factor * level, FLOOR):
-                self.fail(step, f"the loss averaged over the last {min(self.smooth, len(means))} steps is {now:.4g}, "
-                          f"above train.divergence_factor {self.factor:g} x {level:.4g} (its running median, or "
-                          f"the first step's loss when lower; this step's loss {loss:.4g})", before=step - self.smooth)
+            if level < math.inf and now > max(self.factor * level, FLOOR):
+                self.fail(step, f"the loss averaged over the last {n} steps is {now:.4g}, above "
+                          f"train.divergence_factor {self.factor:g} x {level:.4g} (its running median, or the first "
+                          f"step's loss when lower; this step's loss {loss:.4g})", before=step - self.smooth)
         window.append(loss)
-        del window[:-(HISTORY + 2 * self.smooth)]
+        del window[:-self.smooth]
+        if n == self.smooth:
+            means.append(now)
+            del means[:-(HISTORY + self.smooth)]
 
     def count_skip(self, progress: TrainingProgress, skipped: bool) -> None:
         """After the step: an fp16 grad scaler that skipped it (gradient overflow) is counted, and too many
@@ -90,12 +104,6 @@ class Watchdog:
         where = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was written before it"
         raise DivergenceError(f"train: training diverged at step {step}: {what}; {where} (the work folder is kept "
                               f"for inspection, nothing was committed); fix: {FIX}")
-
-
-def running_means(values: list[float], n: int) -> list[float]:
-    """Mean of each value with up to n - 1 values before it."""
-    sums = [0.0, *itertools.accumulate(values)]
-    return [(sums[i + 1] - sums[max(0, i + 1 - n)]) / min(n, i + 1) for i in range(len(values))]
 
 
 class BestKeeper:

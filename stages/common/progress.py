@@ -64,7 +64,7 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True)
             self._redirect = contextlib.ExitStack()  # log lines go above the bar, not through it
-            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.root, log]))
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.root]))  # where consoles are
 
     def set_postfix(self, **figures: Any) -> None:
         self.postfix = figures

@@ -19,6 +19,7 @@ from typing import Any
 
 from stages.engine.codegraph import CodeGraph, code_graph, source_signature
 from stages.engine.config import PROJECT_ROOT
+from stages.engine.parallel import map_chunks
 
 OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
 UNRESOLVED = "unresolved"  # a dependency (a hub revision) whose identity could not be pinned when planning
@@ -169,6 +170,17 @@ def inputs_digest(paths: Iterable[Path], memo: HashMemo | None = None) -> dict[s
         elif p.exists():
             out[f"{p.parent.name}/{p.name}"] = memo.sha256(p)
     return out
+
+
+def sha256_many(paths: list[Path], memo: HashMemo | None = None, jobs: int | None = None) -> list[str]:
+    """sha256 of many files, in the order given, each through the memo: by joblib threads (hashlib and file
+    reads release the GIL) when there are many, else one by one; the same digests either way."""
+    memo = memo or PROCESS_MEMO
+    return map_chunks(_sha256_each, paths, jobs=jobs, min_items=64, prefer="threads", memo=memo)
+
+
+def _sha256_each(paths: list[Path], memo: HashMemo) -> list[str]:
+    return [memo.sha256(Path(p)) for p in paths]
 
 
 def library_versions(names: Iterable[str] = OUTPUT_LIBRARIES) -> dict[str, str]:

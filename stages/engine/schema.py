@@ -176,8 +176,8 @@ class AdaptersConfig(Section):
 class SelectBest(Section):
     metric: Literal["val_loss", "val_accuracy"] = Field(..., description="validation metric to select on: val_loss "
                                                         "(mean per row or target token), val_accuracy (seq_cls only)")
-    mode: Literal["max", "min"] = Field(..., description="max: higher is better; min: lower is better. Default: "
-                                        "min for val_loss, max for val_accuracy")
+    mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
+                                               "null: min for val_loss, max for val_accuracy")
 
     @model_validator(mode="before")
     @classmethod

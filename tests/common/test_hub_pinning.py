@@ -73,9 +73,11 @@ def test_a_moved_revision_makes_the_model_stale_and_the_rerun_loads_the_new_comm
 
     second = {o.stage: o for o in run_pipeline(cfg, store, until="model")}
     assert second["model"].computed and not second["tokenize"].computed
-    a, b = load_model(first["model"].path), load_model(second["model"].path)
-    wa, wb = a.state_dict(), b.state_dict()
-    assert any(not torch.equal(wa[k], wb[k]) for k in wa)  # the rerun loaded snapshot B, not A
+    repo = hub_cache / f"models--{REPO.replace('/', '--')}" / "snapshots"
+    for outcome, sha in ((first["model"], SHA_A), (second["model"], SHA_B)):  # each artifact holds its commit
+        stored = load_model(outcome.path).state_dict()
+        source = transformers.BloomForSequenceClassification.from_pretrained(repo / sha).state_dict()
+        assert stored.keys() == source.keys() and all(torch.equal(stored[k], source[k]) for k in stored)
 
 
 def test_the_articles_pipeline_pins_its_hub_tokenizer_and_model(hub_cache, tmp_path):

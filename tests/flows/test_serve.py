@@ -279,3 +279,50 @@ def test_serve_stops_within_seconds_of_ctrl_c_after_a_failed_run(server):
         assert "flows.serve: stopped" in serve.output()
     finally:
         serve.stop()
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+@needs_shared_data
+def test_ctrl_c_during_a_run_cancels_it_and_stops_serving(server):
+    """Ctrl-C while a run trains: serve exits within 15 s, the run's process is gone and its state is
+    Cancelled or Crashed, never left Running."""
+    serve = start_serve(server, "serve-busy")
+    try:
+        long = {**SMALL, "train.max_steps": 100000}
+        res = subprocess.run([str(BIN / "prefect"), "deployment", "run", f"finetune/{PIPELINE}", "-p",
+                              f"overrides={json.dumps(long)}"], cwd=ROOT, env=server["env"], capture_output=True,
+                             text=True, timeout=120, start_new_session=True)
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", res.stdout + res.stderr).group(1)
+
+        def training() -> bool:
+            runs = api_post(server, "task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+            return any(r["name"].startswith("train-") and (r.get("state") or {}).get("type") == "RUNNING"
+                       for r in runs)
+
+        wait_until("the train stage to run", training, 300, serve)
+        time.sleep(3)  # into the training loop
+        workers = children(serve.p.pid)
+        assert workers, "the flow run's process"
+
+        t0 = time.monotonic()
+        os.kill(serve.p.pid, signal.SIGINT)
+        try:
+            rc = serve.p.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"flows.serve still running 15 s after Ctrl-C:\n{serve.output()[-3000:]}")
+        print(f"flows.serve exited {time.monotonic() - t0:.1f} s after Ctrl-C during a run")
+        assert rc == 0, serve.output()[-3000:]
+        state = httpx.get(f"{server['api']}/flow_runs/{run_id}", timeout=30).json()["state"]
+        assert state["type"] in ("CANCELLED", "CRASHED"), state
+        time.sleep(1)
+        for pid in workers:
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    finally:
+        serve.stop()

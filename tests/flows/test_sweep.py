@@ -5,6 +5,7 @@ are one line and exit 2, before Prefect starts."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -42,7 +43,7 @@ PER_VARIANT = ("train", "evaluate", "export")
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("sweep") / "pipeline.yaml"
-    path.write_text((ROOT / "pipeline.yaml").read_text() + EXTRA)
+    path.write_text((ROOT / "pipeline.yaml").read_text().replace("\nsweeps:\n", "\nsweeps:" + EXTRA, 1))
     return path
 
 
@@ -52,6 +53,20 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def ui_artifacts(key: str):
+    """The latest artifact the Prefect API holds under `key`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    found = asyncio.run(read())
+    assert found, f"no artifact {key}"
+    return max(found, key=lambda a: a.created)
 
 
 def computed_per_stage(store) -> Counter:
@@ -83,7 +98,8 @@ def test_named_and_adhoc_sweeps_expand_to_validated_runs(config):
 ])
 def test_bad_sweep_definitions_are_one_line(tmp_path, body, expected):
     path = tmp_path / "pipeline.yaml"
-    path.write_text((ROOT / "pipeline.yaml").read_text() + f"\n  bad:\n    pipeline: tiny-imdb\n    {body}\n")
+    bad = f"\n  bad:\n    pipeline: tiny-imdb\n    {body}\n"
+    path.write_text((ROOT / "pipeline.yaml").read_text().replace("\nsweeps:\n", "\nsweeps:" + bad, 1))
     with pytest.raises(ConfigError) as err:
         load_sweep("bad", path)
     assert expected in str(err.value) and "\n" not in str(err.value)
@@ -95,7 +111,7 @@ def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: sweeps.tiny-imdb-") and "variant lr=2: --set train.lr: must be < 1" in err
     assert sweep_main(["no-such-sweep", "--config", str(config)]) == 2
-    assert "unknown sweep 'no-such-sweep'; available: accumulation" in capsys.readouterr().err
+    assert "unknown sweep 'no-such-sweep'; available: lr-pair, accumulation" in capsys.readouterr().err
     assert sweep_main(["tiny-imdb", "--config", str(config)]) == 2
     assert "tiny-imdb is a pipeline, not a sweep: give --grid" in capsys.readouterr().err
 
@@ -115,6 +131,9 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
     assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
     folder = store_dir / "sweeps" / "lr-pair"
     assert (folder / "chart.png").stat().st_size > 1000
+    table, chart = ui_artifacts("sweep-lr-pair"), ui_artifacts("sweep-lr-pair-chart")
+    assert table.type == "table" and {r["lr"] for r in json.loads(table.data)} == {"0.001", "0.01"}
+    assert chart.type == "markdown" and str(folder / "chart.png") in chart.data
 
     # what `compare --sweep lr-pair --json` prints (and the sweep wrote beside its chart)
     report = json.loads(json.dumps(compare.compare(sweep("lr-pair", config), Store(store_dir)).to_json(), default=str))

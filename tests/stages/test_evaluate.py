@@ -79,7 +79,8 @@ def test_classification_metrics_match_sklearn():
 
 
 @needs_shared_data
-def test_classifier_pipeline_runs_end_to_end(store, capfd):
+def test_classifier_pipeline_runs_end_to_end(store, capfd, monkeypatch):
+    monkeypatch.setenv("FINETUNE_PROGRESS", "bar")  # as in a terminal (stages/common/progress.py)
     from sklearn.metrics import f1_score
 
     out = helpers.run("tiny-imdb", *IMDB)

@@ -87,12 +87,12 @@ def test_one_hard_row_is_not_divergence_but_a_sustained_rise_is(tmp_path):
     800x the median). That is noise; the loss settling at 30x its level is not."""
     watch = Watchdog(10.0, 25, False, tmp_path, effective_batch=1)
     progress, rng = TrainingProgress(first_loss=0.69), random.Random(0)
-    for step in range(3000):
+    for step in range(1000):
         progress.step = step
         watch.check(progress, 8.0 if rng.random() < 0.05 else 0.01, 1.0)
     level = sum(progress.recent_losses) / len(progress.recent_losses)
     with pytest.raises(DivergenceError) as err:
-        for step in range(3000, 3300):
+        for step in range(1000, 1300):
             progress.step = step
             watch.check(progress, 30 * level, 1.0)
     print(err.value)
@@ -203,3 +203,17 @@ def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_
     cfg = load_pipeline("tiny-imdb", sets)
     text = render(cfg, stage_rows(cfg, open_store()))
     assert f"best: val_loss {m['best']['value']:.4f} at step {m['best']['step']} of 8" in text
+
+
+def test_settings_that_cannot_work_stop_before_training(tmp_path):
+    from tiny_train import s2s_rows, tiny_t5
+
+    from stages.engine.errors import ConfigError, MissingInputError
+
+    with pytest.raises(MissingInputError, match="train.select_best: there is no validation split"):
+        train_model(tiny_classifier(), cls_rows(16), None, tcfg(max_steps=2, select_best={"metric": "val_loss"}),
+                    "seq_cls", PAD, tmp_path / "o1", tmp_path / "w1", log)
+    with pytest.raises(ConfigError, match="val_accuracy is measured for classifiers"):
+        train_model(tiny_t5(), s2s_rows(8), s2s_rows(4), tcfg(max_steps=2, select_best={"metric": "val_accuracy"}),
+                    "seq2seq", PAD, tmp_path / "o2", tmp_path / "w2", log)
+    assert not (tmp_path / "w1" / "checkpoints").exists() and not (tmp_path / "w2" / "checkpoints").exists()
