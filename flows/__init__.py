@@ -3,13 +3,13 @@ user already set them: PREFECT_HOME inside the project (git-ignored), a server s
 covers a first start on a slow machine (24-30 s measured; Prefect's default is 20 s), analytics off.
 
 Stage log lines (loggers `finetune.*`) reach the console and the Prefect UI. They used not to under
-Prefect: PREFECT_LOGGING_EXTRA_LOGGERS=finetune (set here until issue 15) gave the `finetune` logger Prefect's API handler,
-but Prefect copies only the handler, not a level, so the logger inherited the root's WARNING (Prefect's
-logging.yml) and every INFO line (the train stage's step lines, its summary) was dropped before any
-handler saw it; and a process that imported Prefect before this package never got the handler. Now the
-level is INFO here, and flows/flow.py gives the logger its API handler (records made in a run only) in
-every process that imports it, a deployment's flow-run process included; by propagation the lines also
-reach Prefect's console handler on the root logger.
+Prefect: PREFECT_LOGGING_EXTRA_LOGGERS=finetune (set here until issue 15) gave the `finetune` logger
+Prefect's API handler, but Prefect copies only the handler, not a level, so the logger inherited the
+root's WARNING (Prefect's logging.yml) and every INFO line (the train stage's step lines, its summary) was
+dropped before any handler saw it; and a process that imported Prefect before this package never got the
+handler. Now the level is INFO here, and flows/flow.py gives the logger its API handler (records made in a
+run only) in every process that imports it, a deployment's flow-run process included; by propagation the
+lines also reach Prefect's console handler on the root logger.
 """
 
 import logging

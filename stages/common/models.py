@@ -165,6 +165,7 @@ def input_files(cfg: Any) -> list[Path]:
 
 
 def quiet_transformers() -> None:
+    filter_known_warnings()  # again at run time: pytest's catch_warnings drops import-time filters
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

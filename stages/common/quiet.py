@@ -3,9 +3,9 @@ and the module that raises it, so any other warning (a new one, or this one from
 
     transformers  `is_gradient_checkpointing` is deprecated (FutureWarning): PEFT and accelerate still read
                   the old name on transformers 5; train.enable_gradient_checkpointing uses the new one.
-    peft          tied embeddings with a tied layer in the adapter (UserWarning): lm_head in
-                  modules_to_save of a tied model; the export stage unties it when training made it differ
-                  (export.untie_if_diverged), which is the complication the warning is about.
+    peft          tied embeddings with a tied layer in the adapter, and "no longer tied after merging"
+                  (UserWarnings): lm_head in modules_to_save of a tied model; the export stage unties it when
+                  training made it differ (export.untie_if_diverged), the complication both are about.
     bitsandbytes  "Failed to load CPU gemm_4bit_forward from kernels-community" (a log record at import on
                   CPUs with AVX512-BF16 when the optional `kernels` package is absent or offline): its plain
                   CPU kernels are used instead, the ones the evaluate stage asks for anyway.
@@ -21,6 +21,7 @@ KNOWN_WARNINGS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated", r"transformers\.modeling_utils"),
     (UserWarning, r"Model has `tie_word_embeddings=True` and a tied layer is part of the adapter",
      r"peft\.tuners\.tuners_utils"),
+    (UserWarning, r"Input and output embeddings are no longer tied after merging", r"peft\.tuners\.tuners_utils"),
 )
 KNOWN_LOG_RECORDS = {
     "bitsandbytes.backends.cpu.ops": r"Failed to load CPU gemm_4bit_forward from kernels-community",
