@@ -3,7 +3,8 @@
     ROUGE         100 real billsum bills x 20 predictions each (2,000 pairs; each prediction is the bill's
                   first 20, 25, ... 115 words after its title section) scored by the shipped `evaluate` module
     tarball       aclImdb_v1.tar.gz with the 50,000 real IMDB reviews (built from the mirror's CSVs and its
-                  file index, once, under --work): decompressed by one thread while another walks the tar
+                  file index, once, under --work): decompressed by one thread while another walks the tar;
+                  also against the reader before issue 15 (tarfile.extractfile per member, one thread)
     folder        the same 50,000 files extracted: read by joblib threads
     hashing       sha256 of those 50,000 files (stages.engine.fingerprint.sha256_many), no memo reuse
 
@@ -66,6 +67,17 @@ def extract(tarball: Path, out: Path) -> Path:
     return folder
 
 
+def tarball_before(path: Path) -> list[tuple[str, str, str, str]]:
+    """The members as the data stage read them before issue 15: extractfile per member, one thread."""
+    out = []
+    with tarfile.open(path) as tar:
+        for m in tar:
+            parts = m.name.split("/")
+            if m.isfile() and len(parts) == 4 and parts[1] in ("train", "test") and parts[2] in ("pos", "neg"):
+                out.append((parts[1], parts[2], parts[3], tar.extractfile(m).read().decode("utf-8")))
+    return out
+
+
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     best, result = float("inf"), None
     for _ in range(repeat):
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: metrics.rouge(preds, refs, jobs=1), lambda: metrics.rouge(preds, refs, jobs=jobs))
     measure("read aclImdb_v1.tar.gz", "50,000 reviews", lambda: aclimdb.read_tarball(tarball, jobs=1),
             lambda: aclimdb.read_tarball(tarball, jobs=jobs), same_frames)
+    measure("tar members: before issue 15 -> now", "50,000 reviews", lambda: tarball_before(tarball),
+            lambda: aclimdb._read_tar_members(tarball, jobs=jobs))
     measure("read aclImdb/ folder", f"{len(files):,} files", lambda: aclimdb.read_folder(folder, jobs=1),
             lambda: aclimdb.read_folder(folder, jobs=jobs), same_frames)
     measure("sha256 of input files", f"{len(files):,} files", lambda: sha256_many(files, HashMemo(), jobs=1),

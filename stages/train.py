@@ -144,7 +144,8 @@ class TrainRun:
         self.progress, self.resumed_from = TrainingProgress(micro_batch_size=tcfg.micro_batch_size), None
         if (ckpt := latest_checkpoint(self.ckpt_dir)) is not None:
             self.progress = load_checkpoint(ckpt, self.core, self.optimizer, self.scheduler, self.scaler)
-            self.keeper.restore(ckpt, self.progress)
+            if self.is_main:  # the one process that keeps the best weights
+                self.keeper.restore(ckpt, self.progress)
             self.resumed_from = self.progress.step
             log.info("train: resumed from step %d (epoch %d, batch %d of the epoch) - checkpoint %s",
                      self.progress.step, self.progress.epoch + 1, self.progress.batches_done, ckpt.name)
@@ -187,8 +188,10 @@ class TrainRun:
                         self.on_step(p.step, loss)
                     if epoch_end or p.stopped:
                         break  # the next epoch has its own order
-            if p.batches_done and not (p.history and p.history[-1]["step"] == p.step):
-                self.validate()  # stopped mid-epoch: the last weights are validated too
+            # ended mid-epoch, not on an evaluation: the last weights are validated too (decided alike on
+            # every rank: validate() broadcasts across processes)
+            if p.batches_done and p.stopped is None and not (cfg.eval_every and p.step % cfg.eval_every == 0):
+                self.validate()
         finally:
             self.runlog.close()
 

@@ -56,8 +56,13 @@ def _acl_members(stream: Any) -> list[tuple[str, str, str, str]]:
         for m in tar:
             parts = m.name.split("/")
             if m.isfile() and len(parts) == 4 and parts[1] in ("train", "test") and parts[2] in ("pos", "neg"):
-                data = tar.extractfile(m).read().decode("utf-8")  # type: ignore[union-attr]
-                out.append((parts[1], parts[2], parts[3], data))
+                # the stream stands at the member's data: read it directly (a third of the walk's time
+                # went to extractfile's file object per member); extractfile when it does not
+                if tar.fileobj.tell() == m.offset_data:
+                    data = tar.fileobj.read(m.size)
+                else:
+                    data = tar.extractfile(m).read()  # type: ignore[union-attr]
+                out.append((parts[1], parts[2], parts[3], data.decode("utf-8")))
     return out
 
 

@@ -100,8 +100,8 @@ class Progress:
             self._redirect.close()
             self._redirect = None
         if self.summary and self.mode != "off":  # one line for logs and the Prefect UI, whatever the mode
-            self.log.info("%s: done, %d/%d %s in %s%s", self.desc, self.n, self.total, self.units,
-                          clock(self.elapsed()), self.figures())
+            self.log.info("%s: %s, %d/%d %s in %s%s", self.desc, "done" if self.n >= self.total else "stopped",
+                          self.n, self.total, self.units, clock(self.elapsed()), self.figures())
             self.summary = False
 
     def __enter__(self) -> Progress:

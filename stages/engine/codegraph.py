@@ -271,7 +271,7 @@ class CodeGraph:
 
     # ------------------------------------------------------------ closure
     def closure(self, roots: list[tuple[str, str]]) -> dict[str, str]:
-        """"module.name" -> ast dump of every object reachable from roots (WHOLE: the module's source)."""
+        """"module.name" -> ast dump of every object reachable from roots (WHOLE: the whole module)."""
         seen: dict[str, str] = {}
         todo = list(roots)
         modules_done: set[str] = set()
@@ -305,7 +305,7 @@ class CodeGraph:
             assert info is not None
             if name == WHOLE:
                 refs = {r for stmt in info.tree.body for r in self.references(module, stmt) if r != (module, WHOLE)}
-                self._objects[module, name] = (info.source, refs)
+                self._objects[module, name] = (ast.dump(info.tree), refs)
             else:
                 stmts = info.preamble if name == PREAMBLE else info.defs.get(name)
                 if stmts is None:

@@ -217,3 +217,30 @@ def test_settings_that_cannot_work_stop_before_training(tmp_path):
         train_model(tiny_t5(), s2s_rows(8), s2s_rows(4), tcfg(max_steps=2, select_best={"metric": "val_accuracy"}),
                     "seq2seq", PAD, tmp_path / "o2", tmp_path / "w2", log)
     assert not (tmp_path / "w1" / "checkpoints").exists() and not (tmp_path / "w2" / "checkpoints").exists()
+
+
+def ddp_early(args: dict) -> dict:
+    """Runs in each of two launched processes: EARLY as micro-batch 4 x 2 processes (the same effective batch
+    of 8); rank 0 alone validates, so its early-stopping decision must reach the other process."""
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    model = tiny_classifier()
+    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**{**EARLY, "micro_batch_size": 4}),
+                    "seq_cls", PAD, Path(args["out"]), Path(args["work"]), log)
+    if int(os.environ["RANK"]) == 0:
+        save_file(trainable(model), args["weights"])
+    return m
+
+
+def test_two_processes_stop_early_together_with_the_same_best(tmp_path):
+    from stages.common.distributed import launch
+
+    torch.set_num_threads(1)
+    ref, ref_weights = train_early(tmp_path / "ref-work", tmp_path / "ref-out")
+    args = {"out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "weights": str(tmp_path / "w.st")}
+    m = launch("test_train_health:ddp_early", args, 2, tmp_path / "launch", log, pythonpath=[str(HERE), str(HERE.parent)])
+    diff = max_diff(ref_weights, load_file(args["weights"]))
+    print(f"2 processes: {m['stopped']}; best {m['best']}; max |w - w_1 process| = {diff:.1e}")
+    assert m["best"] == ref["best"] and m["stopped"] == ref["stopped"] and m["steps"] == ref["steps"] < 200
+    assert diff < 1e-4  # the best step's weights (gloo sums in another order than one process)

@@ -32,12 +32,16 @@ class Rouge(evaluate.Metric):
         from rouge_score import rouge_scorer
 
         scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
-        pairs = list(zip(references, predictions, strict=True))  # score(target, prediction)
-        if n_jobs > 1 and len(pairs) > 1:
+        refs, preds = list(references), list(predictions)
+        if n_jobs > 1 and len(refs) > 1:
             from joblib import Parallel, delayed
 
-            scores = Parallel(n_jobs=n_jobs)(delayed(scorer.score)(ref, pred) for ref, pred in pairs)
+            # contiguous chunks, a few per worker: one pickled scorer per chunk, not per pair
+            size = -(-len(refs) // (4 * n_jobs))
+            parts = Parallel(n_jobs=n_jobs)(delayed(list)(map(scorer.score, refs[i:i + size], preds[i:i + size]))
+                                            for i in range(0, len(refs), size))
+            scores = [s for part in parts for s in part]
         else:
-            scores = [scorer.score(ref, pred) for ref, pred in pairs]
+            scores = [scorer.score(ref, pred) for ref, pred in zip(refs, preds, strict=True)]  # (target, prediction)
         n = max(len(scores), 1)
         return {t: sum(s[t].fmeasure for s in scores) / n for t in ROUGE_TYPES}
