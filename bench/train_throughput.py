@@ -320,8 +320,12 @@ def main() -> None:
                 res = fn(Path(d), t_r, y_r)
             res["tok_s"] = res["real"] / res["seconds"]
             results[name].append(res)
+            steady = (f"; steps 2..N {res['steady_real'] / res['steady_seconds']:.0f} tok/s wall, "
+                      f"{res['steady_real'] / res['steady_cpu_seconds']:.0f} tok/s CPU") if "steady_real" in res else ""
             print(f"  run {r + 1} {name[:3]}: {res['tok_s']:.0f} real tok/s, "
-                  f"padding {1 - res['real'] / res['computed']:.1%}, {res['seconds']:.1f}s", flush=True)
+                  f"padding {1 - res['real'] / res['computed']:.1%}, {res['seconds']:.1f}s{steady}", flush=True)
+            if args.json:  # every run as it ends: a run killed half-way keeps what it measured
+                args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results}, indent=1))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
