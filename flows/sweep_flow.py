@@ -22,7 +22,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import TaskRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_in_subprocess
-from prefect.futures import as_completed
+from prefect.futures import wait
 from prefect.states import Failed, State
 
 from flows import compare, sweep_report
@@ -143,7 +143,10 @@ def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bo
             run = pending.pop(0)
             child = run_child.with_options(task_run_name=run.label)
             active[child.submit(sw.name, run, config, api_url, on_workers)] = run
-        done = next(iter(as_completed(list(active))))
+        finished: set = set()
+        while not finished:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
+            finished = wait(list(active), timeout=1).done
+        done = next(iter(finished))
         run = active.pop(done)
         try:
             results.append(done.result())

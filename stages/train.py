@@ -165,6 +165,7 @@ class TrainRun:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
+        """The loop over optimizer steps, one effective batch each, epoch by epoch (each its own order)."""
         p, cfg = self.progress, self.tcfg
         try:
             while p.step < self.total_steps and p.stopped is None:
