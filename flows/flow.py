@@ -37,7 +37,10 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
     return outcome
 
 
-STAGE_TASKS = {name: task(name=name, cache_policy=NONE)(run_one) for name in stage_names()}
+# log_prints off in the stage tasks: stage bodies log, they do not print, and with Prefect's print patch a
+# library that captures its own output (dill disassembling a function for `datasets`' fingerprints, under
+# the evaluate stage's `evaluate` modules) would spill it into the run's logs
+STAGE_TASKS = {name: task(name=name, cache_policy=NONE, log_prints=False)(run_one) for name in stage_names()}
 
 
 class InPrefectRun(logging.Filter):
