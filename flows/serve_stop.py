@@ -32,6 +32,7 @@ class Stopper:
         self.runner: Any = None  # set once serving starts
         self.signals = 0
         self.timer: threading.Timer | None = None
+        self.caught: dict[str, int] = {}  # flow run id -> pid of the runs in progress when the signal came
 
     def install(self) -> None:
         signal.signal(signal.SIGINT, self)
@@ -42,6 +43,7 @@ class Stopper:
         runner = self.runner
         if runner is None or not getattr(runner, "started", False) or getattr(runner, "_loop", None) is None:
             raise KeyboardInterrupt  # not serving yet (registering deployments): nothing to stop gracefully
+        self.caught.update(in_flight(runner))
         if self.signals > 1:
             self.force("a second signal")
             return
@@ -54,12 +56,17 @@ class Stopper:
         runner.stopping = True
         runner.execute_in_background(runner.astop)
 
-    def force(self, why: str) -> None:
-        """Kill the flow-run processes still alive, mark their runs Crashed, exit now."""
-        marked = 0
-        for flow_run_id, pid in in_flight(self.runner):
+    def settle(self) -> int:
+        """Kill the flow-run processes still alive (those in progress at the signal and those the runner
+        still tracks) and mark each run Crashed unless it reached a final state. How many were marked."""
+        runs = {**self.caught, **dict(in_flight(self.runner))}
+        for pid in runs.values():
             kill_tree(pid)
-            marked += mark_crashed(self.api_url, flow_run_id)
+        return sum(mark_crashed(self.api_url, flow_run_id) for flow_run_id in runs)
+
+    def force(self, why: str) -> None:
+        """Settle the runs in progress and exit now."""
+        marked = self.settle()
         print(f"flows.serve: stopped ({why}; {marked} run(s) left running marked Crashed)", flush=True)
         os._exit(0)
 
@@ -123,3 +130,7 @@ def serve_until_stopped(deployments: list[Any], limit: int, api_url: str) -> Non
     stopper.install()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(runner.start())
+    if stopper.timer is not None:
+        stopper.timer.cancel()
+    # the graceful stop returned: a run it sent SIGTERM may not have reported its state yet
+    stopper.settle()

@@ -16,9 +16,9 @@ card names the evaluate command instead. For the same reason the card prints eve
 the weights (all of them declared in the stage's reads, so the key covers what is printed) but not
 `evaluate`.
 
-The card's `--set` list is the difference between this config and the pipeline of the same name in
-pipeline.yaml as it reads at export time; pipeline.yaml is not in the key (any edit of any pipeline would
-re-export), so after an edit of that pipeline the list can be stale. config.json is always exact.
+The card's `--set` list is the run's own `--set` list less the evaluation and runtime settings
+(`PipelineConfig.weight_overrides`, in the key). pipeline.yaml is not read (any edit of any pipeline would
+re-export), so after an edit of that pipeline the command can be stale; config.json is always exact.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
         lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
         lines += [""]
     lines += ["## Reproduce", "", "```bash", command(name, sets), "```", ""]
-    lines += ["The `--set` options are the ones this run was given, on top of pipeline.yaml's `" + name + "` "
+    lines += ["The `--set` options are the ones this run was given (evaluation and runtime settings left "
+              "out), on top of pipeline.yaml's `" + name + "` "
               "as it was then; `config.json` holds the exact values (with a changed pipeline.yaml, add its "
               "sections under `pipelines:`).", ""]
     lines += ["Evaluation metrics (accuracy / ROUGE) are the evaluate stage's `metrics.json`:", "", "```bash",
@@ -191,7 +192,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
-    sets = list(cfg.overrides)  # the run's own --set list: the card never reads pipeline.yaml
+    sets = list(cfg.weight_overrides)  # the run's own --set list (evaluation and runtime settings dropped)
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
     (ctx.out_dir / "config.json").write_text(json.dumps({"name": cfg.name, **sections}, indent=2, sort_keys=True))
     (ctx.out_dir / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, files, sets, facts))

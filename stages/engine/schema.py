@@ -311,6 +311,27 @@ class PipelineConfig(BaseModel):
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
                                  "card's reproduce command repeats them")
 
+    @property
+    def weight_overrides(self) -> list[str]:
+        """The overrides that can change the trained weights or their export: those of `evaluate` and of
+        runtime fields dropped. The export card repeats these, so an evaluation setting never re-exports."""
+        return [o for o in self.overrides if _shapes_weights(o.split("=", 1)[0].strip().split("."))]
+
+
+def _shapes_weights(path: list[str]) -> bool:
+    model: Any = PipelineConfig
+    if path[0] == "evaluate":
+        return False
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return True  # unknown to the schema: validation already refused it; keep rather than guess
+        extra = field.json_schema_extra or {}
+        if isinstance(extra, dict) and extra.get("runtime"):
+            return False
+        model = field.annotation
+    return True
+
 
 class SweepConfig(BaseModel):
     """One entry of `sweeps:` in pipeline.yaml: variants of a base pipeline run through the same store."""

@@ -114,8 +114,12 @@ def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_th
     config = json.loads((out["export"].path / "config.json").read_text())
     assert config["name"] == "tiny-billsum" and config["train"]["max_steps"] == 2
 
-    # the run's own --set list, not a diff against pipeline.yaml re-read at export time
-    assert command_reproduces(out, "tiny-billsum") == [*BILLSUM, "export.merge=true"]
+    # the run's own --set list (not a diff against pipeline.yaml re-read at export time), less its evaluation
+    # and runtime settings: an evaluation change never re-exports
+    assert command_reproduces(out, "tiny-billsum") == ["train.max_steps=2", "export.merge=true"]
+    again = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true", "evaluate.max_new_tokens=3",
+                        "train.log_every=1")
+    assert again["export"].key == out["export"].key and helpers.computed(again) == {"evaluate"}
 
 
 def command_reproduces(out: dict, name: str) -> list[str]:
