@@ -11,6 +11,10 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `-n 2` (pyproject): one torch thread per worker and per process a test starts; two workers with two
+    # OpenMP threads each would oversubscribe 2 cores, and spinning threads wait on each other
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 from helpers import SHARED_DATA  # noqa: E402  (after the offline settings: helpers imports the stages)
 

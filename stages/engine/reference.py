@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from stages.engine.schema import SECTIONS, PipelineConfig, Section
+from stages.engine.schema import SECTIONS, PipelineConfig, Section, SweepConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START = "<!-- config-reference:start -->"
@@ -83,16 +83,19 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def table(model: type[BaseModel], prefix: str, names: list[str] | None = None) -> list[str]:
-    lines = ["| field | type | default | key | description |", "|---|---|---|---|---|"]
+def table(model: type[BaseModel], prefix: str, names: list[str] | None = None, keyed: bool = True) -> list[str]:
+    """One row per field; `keyed`: with the key/runtime column (pipeline fields; a sweep's are not keyed)."""
+    head = ["field", "type", "default", *(["key"] if keyed else []), "description"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, field in rows(model, prefix):
         if names is not None and name not in names:
             continue
         kind = type_text(field.annotation)
         if bounds := bounds_text(field):
             kind += f" ({bounds})"
-        where = "runtime" if is_runtime(field) else "key"
-        lines.append(f"| `{name}` | {kind} | {default_text(field)} | {where} | {cell(field.description or '')} |")
+        where = [("runtime" if is_runtime(field) else "key")] if keyed else []
+        cells = [f"`{name}`", kind, default_text(field), *where, cell(field.description or "")]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -105,6 +108,9 @@ def render() -> str:
         model = fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         out += ["", f"`{section}:` — {fields[section].description}", "", *table(model, f"{section}.")]
+    out += ["", "`sweeps:` (top level of pipeline.yaml, beside `pipelines:`) — named sweeps, each the variants of a base "
+            "pipeline run through the same store (`python -m flows.sweep NAME`):",
+            "", *table(SweepConfig, "sweeps.NAME.", keyed=False)]
     return "\n".join([*out, "", END])
 
 
