@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stages.common import memory
-from stages.common.models import ADAPTERS_INFO, load_info, load_model
+from stages.common.models import ADAPTERS_INFO, load_info, load_model, peft_dispatch
 from stages.engine.errors import ConfigError
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
@@ -84,14 +84,13 @@ def run(ctx: Any) -> dict[str, Any]:
         (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps(facts, indent=2))
         return facts
 
-    from peft import get_peft_model, prepare_model_for_kbit_training
-
     model = load_model(model_dir)
     check_targets(model, list(a.target_modules), list(a.modules_to_save))
-    if quantized:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(a.init_seed)
-    peft_model = get_peft_model(model, lora_config(a, info["task"]))
+    with peft_dispatch(model) as peft:
+        if quantized:
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        torch.manual_seed(a.init_seed)
+        peft_model = peft.get_peft_model(model, lora_config(a, info["task"]))
     peft_model.save_pretrained(ctx.out_dir / "adapter")
     trainable, total = count_parameters(peft_model)
     wrapped = lora_module_names(peft_model)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model
+from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, peft_dispatch
 from stages.engine.errors import ConfigError
 from stages.engine.runner import select
 
@@ -69,14 +69,13 @@ def untie_if_diverged(model: torch.nn.Module) -> bool:
 
 def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The base (dequantized when 4/8-bit) in `dtype` with the LoRA weights merged in."""
-    from peft import PeftModel
-
     info = load_info(model_dir)
     base = load_model(model_dir)
     if info["quantization"] != "none":
         base = base.dequantize(dtype=dtype)
     base = base.to(dtype)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with peft_dispatch(base) as peft:
+        merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.eval()
     untied = untie_if_diverged(merged)
     merged.config.__dict__.pop("quantization_config", None)  # plain weights now

@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -234,11 +235,57 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
         for p in model.parameters():
             p.requires_grad_(True)
         return model
-    from peft import PeftModel, prepare_model_for_kbit_training
+    with peft_dispatch(model) as peft:
+        if info["quantization"] != "none":
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        return peft.PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
 
-    if info["quantization"] != "none":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    return PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
+
+def has_bnb_layers(model: nn.Module) -> bool:
+    return any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
+
+
+def import_peft(bnb: bool) -> Any:
+    """`import peft`; with bnb False and peft not yet imported, without importing bitsandbytes (peft.helpers
+    tries it on import, for a function this project never calls)."""
+    if bnb or "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        import peft
+
+        return peft
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # its import raises ImportError
+    try:
+        import peft
+    finally:
+        del sys.modules["bitsandbytes"]
+        import peft.import_utils as pu
+
+        for fn in (pu.is_bnb_available, pu.is_bnb_4bit_available):  # nothing decided while it was hidden
+            getattr(fn, "cache_clear", lambda: None)()
+    return peft
+
+
+@contextlib.contextmanager
+def peft_dispatch(model: nn.Module) -> Iterator[Any]:
+    """Around a PEFT call that wraps `model`'s layers; yields the peft module. PEFT imports bitsandbytes on
+    import and, when wrapping layers, to look for its layer classes whenever the package is installed
+    (bitsandbytes then logs its CPU-kernel notices). For a model without a bitsandbytes layer neither
+    happens, so a pipeline that neither quantizes nor uses an 8-bit optimizer never imports bitsandbytes."""
+    bnb = has_bnb_layers(model)
+    peft = import_peft(bnb)
+    if bnb:
+        yield peft
+        return
+    import peft.tuners.lora.model as lora_model
+
+    names = [n for n in ("is_bnb_available", "is_bnb_4bit_available") if hasattr(lora_model, n)]
+    saved = {n: getattr(lora_model, n) for n in names}
+    for n in names:
+        setattr(lora_model, n, lambda: False)
+    try:
+        yield peft
+    finally:
+        for n, fn in saved.items():
+            setattr(lora_model, n, fn)
 
 
 def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
@@ -257,9 +304,9 @@ def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.
     load_trainable (the trained adapter carries its own config)."""
     trained = Path(train_dir) / "trained"
     if (trained / "adapter_config.json").is_file():
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(load_model(Path(model_dir)), str(trained), is_trainable=False)
+        base = load_model(Path(model_dir))
+        with peft_dispatch(base) as peft:
+            model = peft.PeftModel.from_pretrained(base, str(trained), is_trainable=False)
     elif (trained / "config.json").is_file():
         model = load_model(trained)
     else:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import warnings
 
+import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
 
 from stages.common.quiet import filter_known_warnings
@@ -46,10 +47,12 @@ def test_bitsandbytes_kernel_notice_is_dropped_and_its_other_records_kept(caplog
 
 
 @needs_shared_data
-def test_a_pipeline_without_quantization_or_8bit_optimizers_never_imports_bitsandbytes(tmp_path):
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_pipeline_without_quantization_or_8bit_optimizers_never_imports_bitsandbytes(tmp_path, method):
+    lora = ", '--set', 'adapters.method=lora', '--set', 'adapters.target_modules=[query_key_value]'"
     code = ("import sys\nfrom stages.__main__ import main\n"
             "rc = main(['tiny-imdb', '--set', 'train.max_steps=1', '--set', "
-            "'data.subset={train: 8, validation: 4, test: 4}'])\n"
+            f"'data.subset={{train: 8, validation: 4, test: 4}}'{lora if method == 'lora' else ''}])\n"
             "print('bitsandbytes' in sys.modules, rc)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(tmp_path / "store"),
                          capture_output=True, text=True, timeout=600)
