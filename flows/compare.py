@@ -70,8 +70,12 @@ class VariantResult:
         states = {r.status for r in self.runs}
         if states == {DONE}:
             return DONE
-        done = sum(r.status != NOT_RUN for r in self.runs)
-        return (STALE if NOT_RUN not in states else f"{done} of {len(self.runs)} run") if done else NOT_RUN
+        done, stale = (sum(r.status == st for r in self.runs) for st in (DONE, STALE))
+        if not done + stale:
+            return NOT_RUN
+        if NOT_RUN not in states:
+            return STALE if not done else f"{done} done, {stale} {STALE}"
+        return f"{done + stale} of {len(self.runs)} run" + (f" ({stale} {STALE})" if stale else "")
 
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "rank": self.rank, "params": self.params, "status": self.status(),
