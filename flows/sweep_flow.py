@@ -135,13 +135,19 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     return results
 
 
+def literal_name(label: str) -> str:
+    """A task-run name Prefect shows as given: it formats names with the task's parameters, so the braces of
+    a mapping-valued variant (`subset={train:4096}`) are doubled."""
+    return label.replace("{", "{{").replace("}", "}}")
+
+
 def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
     """Keep `parallel` child runs going until every run has finished: (their summaries, the failures)."""
     pending, active, results, failed = list(sw.runs), {}, [], []
     while pending or active:
         while pending and len(active) < max(1, parallel):
             run = pending.pop(0)
-            child = run_child.with_options(task_run_name=run.label)
+            child = run_child.with_options(task_run_name=literal_name(run.label))
             active[child.submit(sw.name, run, config, api_url, on_workers)] = run
         finished: set = set()
         while not finished:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow

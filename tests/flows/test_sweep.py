@@ -230,3 +230,14 @@ def test_serve_builds_a_sweep_deployment_per_named_sweep():
     assert set(deps) == {("sweep", "accumulation"), ("finetune", "tiny-imdb")}
     assert deps["sweep", "accumulation"].parameters == {"name": "accumulation"}
     assert deps["sweep", "accumulation"].entrypoint == "flows.sweep_flow.run_sweep"
+
+
+def test_a_mapping_valued_variant_names_its_task_run_as_given():
+    """Prefect formats a task-run name with the task's parameters: a label with a mapping's braces failed
+    every child with KeyError 'train' before they were doubled."""
+    from flows.sweep_flow import literal_name
+
+    label = "subset={train:4096,validation:64,test:1000}"
+    with pytest.raises(KeyError):
+        label.format(sweep_name="imdb-90")
+    assert literal_name(label).format(sweep_name="imdb-90") == label
