@@ -19,8 +19,10 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
     def go() -> int:
         plan(load_args(args))  # config and input files checked before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (flows/__init__.py)
-        from flows.flow import finetune  # imports Prefect: only once the config is known to be good
+        # imports Prefect: only once the config is known to be good
+        from flows.flow import exit_on_sigterm, finetune
 
+        exit_on_sigterm()
         state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
                          str(args.config), return_state=True)
         if state.is_failed():

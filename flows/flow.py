@@ -8,6 +8,8 @@ Importing this module runs flows/__init__.py first, which sets the project's Pre
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from typing import Any
 
 from prefect import flow, task
@@ -72,6 +74,20 @@ def send_stage_logs_to_prefect() -> None:
         handler = APILogHandler()
         handler.addFilter(InPrefectRun())
         stage_log.addHandler(handler)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, a job scheduler, a container stop) ends this process through SystemExit(143). Installed
+    before the flow starts: Prefect's engine marks the run Crashed, then re-sends the signal to the handler
+    that was there before the flow (this one) so the interpreter exits normally and its exit hooks stop the
+    temporary Prefect server. With the default handler the process died at once and left that server running,
+    orphaned, holding its port."""
+
+    def _exit(signum: int, frame: object) -> None:
+        print("terminated; committed stages stay in the store, the next run resumes from them", file=sys.stderr)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 class UserErrorTracebackToDebug(logging.Filter):

@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
-from helpers import needs_shared_data
+from helpers import ROOT, needs_shared_data, subprocess_env
 
 import flows  # noqa: F401  (project Prefect defaults)
 from stages.engine.store import Store
@@ -111,3 +119,32 @@ def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkey
     assert any(rec.name == "finetune.data" and rec.message.startswith("data: ") for rec in logs)
     # the flow's own outcome lines (log_prints) are there too
     assert any(rec.message.lstrip().startswith("train ") and "computed" in rec.message for rec in logs)
+
+
+def test_sigterm_crashes_the_run_and_stops_the_temporary_server(tmp_path):
+    """`kill PID` on `python -m flows.finetune` with no Prefect server configured: the run ends Crashed, the
+    process exits 143 within seconds, and the temporary Prefect server it started is stopped with it (the
+    default SIGTERM handler used to leave that server running, orphaned, on its port)."""
+    env = subprocess_env(tmp_path / "store")
+    env.pop("PREFECT_API_URL", None)  # a temporary server, as for a user without one
+    log = tmp_path / "out.log"
+    with log.open("w") as fh:
+        p = subprocess.Popen([sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
+                              "--set", "data.subset={train: 32, validation: 8, test: 8}"], cwd=ROOT, env=env,
+                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while "finetune.train - train:" not in log.read_text():  # training has started
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+            p.send_signal(signal.SIGTERM)
+            rc = p.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever is left in its group: a failed test's server
+                os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 143, out[-3000:]
+    assert "Finished in state Crashed" in out and "terminated; committed stages stay in the store" in out
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
