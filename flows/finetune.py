@@ -20,9 +20,9 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
         plan(load_args(args))  # config and input files checked before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (flows/__init__.py)
         # imports Prefect: only once the config is known to be good
-        from flows.flow import exit_on_sigterm, finetune
+        from flows.flow import finetune, stop_cleanly_on_signals
 
-        exit_on_sigterm()
+        stop_cleanly_on_signals()
         state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
                          str(args.config), return_state=True)
         if state.is_failed():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -76,12 +77,35 @@ def send_stage_logs_to_prefect() -> None:
         stage_log.addHandler(handler)
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM (`kill`, a job scheduler, a container stop) ends this process through SystemExit(143). Installed
-    before the flow starts: Prefect's engine marks the run Crashed, then re-sends the signal to the handler
-    that was there before the flow (this one) so the interpreter exits normally and its exit hooks stop the
-    temporary Prefect server. With the default handler the process died at once and left that server running,
-    orphaned, holding its port."""
+class _ServerInOwnSession:
+    """`subprocess` as Prefect's temporary-server module sees it: the same, except that Popen starts the server
+    in a session of its own."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802  (the name it replaces)
+        return subprocess.Popen(*args, **{**kwargs, "start_new_session": True})
+
+
+def stop_cleanly_on_signals() -> None:
+    """Ctrl-C and SIGTERM (`kill`, a job scheduler, a container stop) end a run started without a Prefect server
+    within seconds, its flow run marked Crashed and the temporary Prefect server stopped with it.
+
+    - Ctrl-C: a terminal sends SIGINT to its whole foreground process group, and Prefect starts the temporary
+      server in that group, so the server died first and the run then hung for minutes retrying a dead API.
+      The server now starts in a session of its own; this process stops it on exit.
+    - SIGTERM: with the default handler the process died at once, leaving the server running, orphaned, on its
+      port. Prefect's engine marks the run Crashed and then re-sends the signal to the handler that was there
+      before the flow started: this one, installed before it, which exits through SystemExit(143) so that the
+      exit hooks stop the server."""
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url is None:  # no server configured: Prefect will start a temporary one
+        import prefect.server.api.server as temporary_server
+
+        temporary_server.subprocess = _ServerInOwnSession()  # type: ignore[assignment]
 
     def _exit(signum: int, frame: object) -> None:
         print("terminated; committed stages stay in the store, the next run resumes from them", file=sys.stderr)

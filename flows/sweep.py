@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         sw = resolve(args, args.target)  # every run's config validated before Prefect starts
         setup_logging()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call otherwise
-        from flows.flow import exit_on_sigterm
+        from flows.flow import stop_cleanly_on_signals
         from flows.sweep_flow import run_sweep  # imports Prefect: only once the sweep is known to be good
 
-        exit_on_sigterm()
+        stop_cleanly_on_signals()
         named = not (args.grid or args.seeds)
         state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw), return_state=True)
         adhoc_args = [sw.config.pipeline, *(a for g in args.grid for a in ("--grid", g)),

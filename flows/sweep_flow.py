@@ -43,13 +43,19 @@ class ChildRunFailed(Exception):
     """A variant's child flow run ended in a state other than Completed."""
 
 
-def _stop_children() -> None:
+def _stop_children(grace_s: float = 15) -> None:
     """Ctrl-C / SIGTERM reach the sweep's main thread, not the threads waiting on children: end the children,
-    which resume from their checkpoints on the next run."""
+    which resume from their checkpoints on the next run. A child still alive after `grace_s` is killed: the
+    signal can land while the child runs a finalizer, where Python drops the exception it raises (seen: a
+    child trained on and the sweep waited for it)."""
     for proc in list(_CHILDREN):
         proc.terminate()
+    deadline = time.monotonic() + grace_s
     for proc in list(_CHILDREN):
-        proc.join(30)
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 @task(name="variant", cache_policy=NONE)

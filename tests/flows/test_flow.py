@@ -121,30 +121,40 @@ def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkey
     assert any(rec.message.lstrip().startswith("train ") and "computed" in rec.message for rec in logs)
 
 
-def test_sigterm_crashes_the_run_and_stops_the_temporary_server(tmp_path):
-    """`kill PID` on `python -m flows.finetune` with no Prefect server configured: the run ends Crashed, the
-    process exits 143 within seconds, and the temporary Prefect server it started is stopped with it (the
-    default SIGTERM handler used to leave that server running, orphaned, on its port)."""
+@pytest.mark.parametrize(("how", "rc", "line"), [
+    ("ctrl-c", 130, "interrupted; committed stages stay in the store"),
+    ("sigterm", 143, "terminated; committed stages stay in the store"),
+])
+def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc, line):
+    """`python -m flows.finetune` with no Prefect server configured, stopped while training: by Ctrl-C (a
+    terminal sends SIGINT to the whole process group) or by `kill PID` (SIGTERM). The run ends Crashed, the
+    process exits within seconds, and the temporary Prefect server it started is stopped with it. Before:
+    Ctrl-C also killed the server and the run then hung for minutes retrying the dead API; SIGTERM left the
+    server running, orphaned, on its port."""
     env = subprocess_env(tmp_path / "store")
     env.pop("PREFECT_API_URL", None)  # a temporary server, as for a user without one
     log = tmp_path / "out.log"
     with log.open("w") as fh:
         p = subprocess.Popen([sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
                               "--set", "data.subset={train: 32, validation: 8, test: 8}"], cwd=ROOT, env=env,
-                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
         try:
             deadline = time.monotonic() + 240
             while "finetune.train - train:" not in log.read_text():  # training has started
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
-            p.send_signal(signal.SIGTERM)
-            rc = p.wait(timeout=60)
+            if how == "ctrl-c":
+                os.killpg(p.pid, signal.SIGINT)
+            else:
+                p.send_signal(signal.SIGTERM)
+            code = p.wait(timeout=60)
         finally:
-            with contextlib.suppress(ProcessLookupError):  # whatever is left in its group: a failed test's server
+            with contextlib.suppress(ProcessLookupError):  # whatever is left in its group
                 os.killpg(p.pid, signal.SIGKILL)
     out = log.read_text()
-    assert rc == 143, out[-3000:]
-    assert "Finished in state Crashed" in out and "terminated; committed stages stay in the store" in out
+    assert code == rc, out[-3000:]
+    assert "Finished in state Crashed" in out and line in out
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
