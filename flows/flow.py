@@ -18,7 +18,7 @@ from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
 from flows.artifacts import publish
-from stages.engine.cli import describe
+from stages.engine.cli import RESUME_NOTE, describe
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
@@ -108,7 +108,7 @@ def stop_cleanly_on_signals() -> None:
         temporary_server.subprocess = _ServerInOwnSession()  # type: ignore[assignment]
 
     def _exit(signum: int, frame: object) -> None:
-        print("terminated; committed stages stay in the store, the next run resumes from them", file=sys.stderr)
+        print(f"terminated; {RESUME_NOTE}", file=sys.stderr)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)

@@ -45,6 +45,9 @@ def describe(o: Outcome) -> str:
     return f"  {o.stage:<10} {status:<8} {secs:>8.1f}s  {o.key[:12]}  {o.path}"
 
 
+RESUME_NOTE = "committed stages stay in the store, the next run resumes from them"
+
+
 def guarded(fn: Callable[[], int | None]) -> int:
     """Run fn; a FinetuneError becomes one line on stderr and exit code 2."""
     try:
@@ -53,7 +56,7 @@ def guarded(fn: Callable[[], int | None]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("interrupted; committed stages stay in the store, the next run resumes from them", file=sys.stderr)
+        print(f"interrupted; {RESUME_NOTE}", file=sys.stderr)
         return 130
 
 
