@@ -200,21 +200,17 @@ def without_flow_log_handlers() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
     """run -> stage -> objects the stage ran (its body, and the function choosing its input files)."""
-    with without_flow_log_handlers():
-        return _traces(tmp_path_factory)
-
-
-def _traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
     out: dict[str, dict[str, set[str]]] = {}
-    for run, (pipeline, sets) in RUNS.items():
-        cfg = load_pipeline(pipeline, list(sets))
-        seen: dict[str, set[str]] = {}
-        for st in STAGES:
-            with Tracer() as t:
-                st.inputs(cfg)
-            seen.setdefault(st.name, set()).update(t.objects())
-        run_pipeline(cfg, Store(tmp_path_factory.mktemp(run)), traced_graph(seen))
-        out[run] = seen
+    with without_flow_log_handlers():
+        for run, (pipeline, sets) in RUNS.items():
+            cfg = load_pipeline(pipeline, list(sets))
+            seen: dict[str, set[str]] = {}
+            for st in STAGES:
+                with Tracer() as t:
+                    st.inputs(cfg)
+                seen.setdefault(st.name, set()).update(t.objects())
+            run_pipeline(cfg, Store(tmp_path_factory.mktemp(run)), traced_graph(seen))
+            out[run] = seen
     return out
 
 
