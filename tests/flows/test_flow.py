@@ -145,11 +145,13 @@ def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc,
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.5)
             port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+            stopped_at = time.monotonic()
             if how == "ctrl-c":
                 os.killpg(p.pid, signal.SIGINT)
             else:
                 p.send_signal(signal.SIGTERM)
             code = p.wait(timeout=60)
+            print(f"{how}: exit {code} after {time.monotonic() - stopped_at:.1f} s")  # shown with pytest -s -n 0
         finally:
             with contextlib.suppress(ProcessLookupError):  # whatever is left in its group
                 os.killpg(p.pid, signal.SIGKILL)
