@@ -69,10 +69,12 @@ def mirror_files(data_cfg: Any) -> list[Path]:
     return []
 
 
-def source_files(cfg: PipelineConfig) -> list[Path]:
-    """The files the data stage will read (their content goes into its key)."""
+def source_files(cfg: PipelineConfig) -> list[Path] | dict[str, Path]:
+    """The files the data stage will read (their content goes into its key). A local data.path is keyed by
+    its file's name (a folder: its files' names inside it), not where it lies: moved, it hits the cache."""
     if cfg.data.source == "local" or cfg.data.path:
-        return [local_path(cfg.data.path)]
+        path = local_path(cfg.data.path)
+        return {"data.path" if path.is_dir() else f"data.path {path.name}": path}
     return mirror_files(cfg.data)
 
 

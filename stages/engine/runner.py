@@ -34,7 +34,8 @@ class Stage:
     body: Callable[[StageContext], dict[str, Any] | None]
     reads: tuple[str, ...]
     upstream: tuple[str, ...] = ()
-    inputs: Callable[[PipelineConfig], list[Path]] = field(default=lambda cfg: [])
+    # a list of paths, or {name: path} to key a file by that name instead of its folder's
+    inputs: Callable[[PipelineConfig], list[Path] | dict[str, Path]] = field(default=lambda cfg: [])
     # Hub repos it downloads, each pinned to the commit its revision points at: {"hub repo@rev": sha}
     deps: Callable[[PipelineConfig], dict[str, str]] = field(default=lambda cfg: {})
     libraries: tuple[str, ...] = OUTPUT_LIBRARIES

@@ -5,6 +5,7 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,8 +18,34 @@ def runtime(default: Any = None, **kw: Any) -> Any:
     return Field(default, json_schema_extra={"runtime": True}, **kw)
 
 
+# YAML 1.1 reads the words no / off / yes / on (and false / true) as booleans: in a field of choices they mean
+# the choice of that word (train.mixed_precision: no).
+BOOL_WORDS = {False: ("no", "off", "false", "none"), True: ("yes", "on", "true")}
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    """The string choices of a Literal field (also inside `X | None`); () for any other field."""
+    if typing.get_origin(annotation) is Literal:
+        return tuple(a for a in typing.get_args(annotation) if isinstance(a, str))
+    return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _boolean_words(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None:
+                words = [w for w in BOOL_WORDS[value] if w in _choices(field.annotation)]
+                if words:
+                    out[name] = words[0]
+        return out
 
     def cache_dict(self) -> dict[str, Any]:
         """The fields that change outputs, as JSON-able data (runtime fields dropped)."""
@@ -68,8 +95,10 @@ class DataConfig(Section):
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
         "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
         "file(s) at `path`.")
-    path: str | None = Field(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
-                             "an aclImdb folder or aclImdb_v1.tar.gz")
+    path: str | None = runtime(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
+                               "an aclImdb folder or aclImdb_v1.tar.gz; relative: to the config file's folder (a "
+                               "--set value: to the current directory). Its files' content (and their names) is "
+                               "in the key, not the path: moving the file keeps the cache; the manifest records it")
     hub_id: str | None = Field(None, description="dataset id on the hub; default stanfordnlp/imdb or billsum")
     hub_revision: str | None = Field(None, description="branch, tag or commit of the hub dataset; default its "
                                      "main branch")
