@@ -31,6 +31,8 @@ STAGES: list[Stage] = [
         inputs=data.source_files,
         deps=data.source_deps,
         resolve=data.resolve_labels,  # data.label_names / model.num_labels from the data when left null
+        hub_fix="set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data, or --set data.source=local "
+                "--set data.path=FILE",
         libraries=("pandas", "pyarrow", "datasets"),
     ),
     Stage(
@@ -41,6 +43,8 @@ STAGES: list[Stage] = [
         upstream=("data",),
         inputs=tokenizer_files,
         deps=tokenizer_deps,
+        hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
+                "hub answers",
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
     ),
     Stage(
@@ -50,6 +54,7 @@ STAGES: list[Stage] = [
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         inputs=model_input_files,
         deps=model_deps,
+        hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
     ),
     Stage(
@@ -64,6 +69,7 @@ STAGES: list[Stage] = [
         body=train.run,
         reads=("train", "model.task"),
         upstream=("tokenize", "model", "adapters"),
+        inputs=train.metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
@@ -90,6 +96,11 @@ STAGES: list[Stage] = [
 def plan(cfg: PipelineConfig, store: Store | None = None) -> list[Planned]:
     """Every stage's key; input files hashed through the store's memo (default: the configured store)."""
     return runner.plan(cfg, STAGES, (store or open_store()).hashes())
+
+
+def precheck(cfg: PipelineConfig, only: str | None = None, until: str | None = None) -> PipelineConfig:
+    """Every check that needs no store and no run (runner.precheck): before Prefect starts."""
+    return runner.precheck(cfg, STAGES, only, until)
 
 
 def stage_names() -> list[str]:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from stages.common import distributed
+from stages.common import distributed, metrics
 from stages.common.batching import Batch, epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
@@ -73,6 +73,14 @@ TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 # ====================================================================== the stage
 
+def metric_files(cfg: Any) -> list[Path]:
+    """The stage's input files: the metric module select_best's metric is computed with (its content in the
+    key, as the evaluate stage's)."""
+    sb = cfg.train.select_best
+    module = metrics.VALIDATION_MODULES.get(sb.metric.removeprefix("val_")) if sb is not None else None
+    return metrics.module_files([module]) if module else []
+
+
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
     if tcfg.num_processes > 1:  # the same body, once per process, under `accelerate launch`
@@ -86,23 +94,25 @@ def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, 
 
     tok_dir = upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
-    pad_id = load_tokenizer(tok_dir / "tokenizer").pad_token_id
+    tokenizer = load_tokenizer(tok_dir / "tokenizer")
     model = load_trainable(upstream["model"], upstream["adapters"], gradient_checkpointing=tcfg.gradient_checkpointing)
-    metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
-                          pad_id, out_dir, work_dir, log)
+    result = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
+                         tokenizer.pad_token_id, out_dir, work_dir, log, tokenizer=tokenizer)
     if distributed_rank() == 0:  # only rank 0 writes the artifact (0 without a process group)
         save_trained(model, out_dir / "trained", upstream["model"])
-    return metrics
+    return result
 
 
 def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
-                out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None) -> dict[str, Any]:
+                out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None,
+                tokenizer: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
     validation's weights); write metrics.jsonl, tensorboard/ and loss.png to out_dir; resume from (and
     checkpoint to) work_dir/checkpoints. Returns the manifest metrics. `on_step(step, loss)` is a test
-    hook called after every optimizer step. Under `accelerate launch` (N processes) each process trains
+    hook called after every optimizer step; `tokenizer`: for a select_best metric scored on generated text
+    (ROUGE). Under `accelerate launch` (N processes) each process trains
     on its shard of every effective batch (shard_window); only rank 0 validates, logs and writes."""
-    trainer = TrainRun(model, train_ds, val_ds, tcfg, task, pad_id, work_dir, log, on_step)
+    trainer = TrainRun(model, train_ds, val_ds, tcfg, task, pad_id, work_dir, log, on_step, tokenizer)
     trainer.train()
     return trainer.finish(out_dir)
 
@@ -111,12 +121,13 @@ class TrainRun:
     """One training run, torchtune's recipe shape: setup here, then train(), then finish()."""
 
     def __init__(self, model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
-                 work_dir: Path, log: logging.Logger, on_step: Any = None):
+                 work_dir: Path, log: logging.Logger, on_step: Any = None, tokenizer: Any = None):
         if task not in TASKS:
             raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
         if pad_id is None:
             raise MissingInputError("train: the tokenizer has no pad token; the tokenize stage should set one")
         self.tcfg, self.task, self.pad_id, self.log, self.on_step = tcfg, task, pad_id, log, on_step
+        self.tokenizer = tokenizer
         self.accelerator, self.precision = make_accelerator(tcfg.mixed_precision, log)
         self.device, self.world = self.accelerator.device, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -259,7 +270,9 @@ class TrainRun:
         decide to stop early; across processes that decision is broadcast to every rank."""
         p = self.progress
         if self.is_main and self.val_rows is not None:
-            res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device)
+            metric = self.tcfg.select_best.metric if self.tcfg.select_best is not None else None
+            res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device,
+                                metric, self.tokenizer)
             rec = {"kind": "validation", "step": p.step, "epoch": p.epoch + 1, **res}
             p.history.append(rec)
             note = self.keeper.update(p, res, self.core)

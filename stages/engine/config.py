@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -368,6 +369,9 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
             msg = f"must be {want}, got {got!r}"
         elif kind == "value_error":
             msg = str(ctx.get("error", e["msg"]))
+            field, sep, rest = msg.partition(": ")
+            if not loc and sep and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", field):  # a check across sections
+                where, msg = _origin(tuple(field.split(".")), name, chain, defaults, over), rest
         else:
             msg = e["msg"]
         problems.append(f"{where}: {msg}")

