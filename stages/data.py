@@ -198,13 +198,13 @@ def _label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColu
     except (KeyError, ValueError):  # no such column
         return LabelColumn((), None, None, ())
     line0 = 2 if name.endswith((".csv", ".csv.gz")) else 1  # the file's line of row 0 (a CSV's header is line 1)
-    text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v).strip())
-    blank = text.eq("") | text.str.lower().isin(MISSING_WORDS)
+    text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    blank = text.str.strip().eq("") | text.str.strip().str.lower().isin(MISSING_WORDS)
     empty = None
     if blank.any():
         row = int(blank.to_numpy().argmax())
         raw = values.iloc[row]
-        what = "empty" if text.iloc[row] == "" and isinstance(raw, str) else f"missing ({raw!r})"
+        what = ("empty" if raw.strip() == "" else f"missing ({raw!r})") if isinstance(raw, str) else "missing (null)"
         empty = (row + line0, what)
     ids = pd.to_numeric(values, errors="coerce")
     integer = len(values) > 0 and not (ids.isna() | (ids % 1 != 0)).any()
