@@ -9,7 +9,7 @@ import sys
 
 from stages.engine.cli import guarded, parser
 from stages.engine.config import store_root
-from stages.graph import load_args, plan
+from stages.graph import load_args, precheck
 
 
 def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> int:
@@ -17,7 +17,7 @@ def main(default_pipeline: str | None = None, argv: list[str] | None = None) -> 
     args = parser(f"python -m {spec.name}" if spec else "finetune", default_pipeline).parse_args(argv)
 
     def go() -> int:
-        plan(load_args(args))  # config and input files checked before Prefect starts
+        precheck(load_args(args), args.only, args.until)  # config, data, inputs, hub: before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (flows/__init__.py)
         # imports Prefect: only once the config is known to be good
         from flows.flow import finetune, stop_cleanly_on_signals
