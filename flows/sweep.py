@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 import sys
 from pathlib import Path
 
-from flows.variants import Sweep, adhoc, spec, sweep
-from stages.engine.cli import guarded, setup_logging
-from stages.engine.config import DEFAULT_PIPELINE_FILE, pipeline_names, store_root, sweep_names
+from flows.variants import Sweep, adhoc, save_definition, spec, stored, sweep
+from stages.engine.cli import add_config_option, command, guarded, setup_logging
+from stages.engine.config import pipeline_names, store_root, sweep_names
 from stages.engine.errors import ConfigError
+from stages.engine.remote_store import open_store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +45,9 @@ def add_adhoc_args(p: argparse.ArgumentParser) -> None:
                    "(train.seed)")
     p.add_argument("--metric", help="SPLIT.METRIC that ranks variants (default test.accuracy)")
     p.add_argument("--mode", choices=["max", "min"], help="max (default) or min")
-    p.add_argument("--name", help="an ad-hoc sweep's name (its folder and UI key); default PIPELINE-<hash>")
-    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    p.add_argument("--name", help="an ad-hoc sweep's name (its folder and UI key, `compare --sweep NAME` finds it "
+                   "by); default PIPELINE-<hash of its definition>")
+    add_config_option(p)
 
 
 def _seeds(text: str) -> list[int]:
@@ -65,10 +66,19 @@ def resolve(args: argparse.Namespace, target: str) -> Sweep:
     if extra:
         raise ConfigError(f"{', '.join(extra)}: only for an ad-hoc sweep (PIPELINE --grid ...); a named sweep "
                           f"takes its settings from pipeline.yaml")
-    if target in pipeline_names(args.config) and target not in sweep_names(args.config):
+    names = sweep_names(args.config)
+    if target in pipeline_names(args.config) and target not in names:
         raise ConfigError(f"{target} is a pipeline, not a sweep: give --grid KEY=V1,V2 to sweep it, or a sweep "
-                          f"name ({', '.join(sweep_names(args.config)) or 'none defined under sweeps:'})")
+                          f"name ({', '.join(names) or 'none defined under sweeps:'})")
+    if target not in names and (ran := stored(target, open_store())) is not None:
+        return ran  # an ad-hoc sweep that ran before, by its name
     return sweep(target, args.config)
+
+
+def compare_hint(sw: Sweep, config: Path | str) -> str:
+    """The command that compares this sweep's variants: by its name (an ad-hoc one's definition is in the
+    store), with the pipeline file it read."""
+    return command("flows.inspect", "compare", "--sweep", sw.name, config=config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,14 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         from flows.sweep_flow import run_sweep  # imports Prefect: only once the sweep is known to be good
 
         stop_cleanly_on_signals()
-        named = not (args.grid or args.seeds)
-        state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw), return_state=True)
-        adhoc_args = [sw.config.pipeline, *(a for g in args.grid for a in ("--grid", g)),
-                      *(a for o in args.overrides for a in ("--set", o)),
-                      *(["--seeds", ",".join(map(str, args.seeds))] if args.seeds else []),
-                      *(["--metric", args.metric] if args.metric else []), *(["--mode", args.mode] if args.mode else [])]
-        print(f"store: {store_root()}\ncompare: python -m flows.inspect compare "
-              + (f"--sweep {sw.name}" if named else shlex.join(adhoc_args)))
+        named = not (args.grid or args.seeds) and args.target in sweep_names(args.config)
+        if not named:
+            save_definition(sw, open_store())  # `compare --sweep NAME` finds it there
+        print(f"sweep {sw.name}; compare it with: {compare_hint(sw, sw.config_file)}", flush=True)
+        state = run_sweep(sw.name, args.parallel, str(sw.config_file), None if named else spec(sw),
+                          return_state=True)
+        print(f"store: {store_root()}\ncompare: {compare_hint(sw, sw.config_file)}")
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
             return 1

@@ -9,14 +9,9 @@ import json
 from pathlib import Path
 
 from flows.compare import Comparison, is_share, pm, render, runs_csv
+from flows.variants import sweep_dir
 from stages.engine.remote_store import RemoteStore
 from stages.engine.store import Store
-
-
-def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
-    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    local = store.local if isinstance(store, RemoteStore) else store
-    return local.root / "sweeps" / name
 
 
 def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:

@@ -4,6 +4,9 @@ is validated here, before anything runs (no Prefect, no tensors).
 
     sweep(NAME)                                      the named sweep
     adhoc(PIPELINE, ["train.lr=1e-4,5e-4"], ...)     the ad-hoc one `--grid train.lr=1e-4,5e-4` describes
+
+An ad-hoc sweep's definition is kept in its folder of the store (`sweeps/<name>/sweep.json`, with the pipeline
+file it read) when it runs, so `--sweep NAME` finds it later as it finds a named one.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import yaml
 
 from stages.engine.config import (
     DEFAULT_PIPELINE_FILE,
+    load_doc,
     load_pipeline,
     load_sweep,
     parse_override,
-    read_yaml,
     validate_sweep,
 )
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
+from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig, SweepConfig
+from stages.engine.store import Store, write_json_atomic
+from stages.graph import precheck
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
         for variant, p in zip(labels, params, strict=True):
             over = {**cfg.set, **p, **({"train.seed": seed} if seed is not None else {})}
             try:
-                run_cfg = load_pipeline(cfg.pipeline, over, config_file)
+                run_cfg = precheck(load_pipeline(cfg.pipeline, over, config_file))  # labels, metrics, hub too
             except FinetuneError as e:
                 raise ConfigError(f"sweeps.{cfg.name}, variant {variant}: {e}") from None
             runs.append(Run(variant, p, seed, over, run_cfg))
@@ -156,11 +162,34 @@ def adhoc(pipeline: str, grid: list[str], sets: list[str] | None = None, seeds: 
 def from_spec(name: str, body: dict[str, Any], config_file: Path | str = DEFAULT_PIPELINE_FILE,
               where: str = "spec") -> Sweep:
     """A sweep defined outside pipeline.yaml (the fields of a `sweeps:` entry as a mapping)."""
-    doc = read_yaml(Path(config_file))
+    doc = load_doc(Path(config_file))
     if body.get("pipeline") not in doc["pipelines"]:
         raise ConfigError(f"unknown pipeline '{body.get('pipeline')}'; available: {', '.join(doc['pipelines'])} "
                           f"(or a sweep: {', '.join(doc.get('sweeps') or {}) or 'none defined'})")
     return expand(validate_sweep(name, body, where, doc), config_file)
+
+
+def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
+    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
+    local = store.local if isinstance(store, RemoteStore) else store
+    return local.root / "sweeps" / name
+
+
+def save_definition(s: Sweep, store: Store | RemoteStore) -> Path:
+    """Keep an ad-hoc sweep's definition (and the pipeline file it read) in its folder of the store."""
+    path = sweep_dir(store, s.name) / "sweep.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"name": s.name, "config": str(s.config_file.resolve()), "spec": spec(s)})
+    return path
+
+
+def stored(name: str, store: Store | RemoteStore) -> Sweep | None:
+    """The ad-hoc sweep `name` as the store keeps it (None when it never ran)."""
+    path = sweep_dir(store, name) / "sweep.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return from_spec(name, saved["spec"], saved["config"], f"{path}")
 
 
 def spec(s: Sweep) -> dict[str, Any]:

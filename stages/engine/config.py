@@ -221,6 +221,12 @@ def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
             "file": path}
 
 
+def own_names(path: Path | str) -> list[str]:
+    """The pipelines and sweeps a file defines itself (not those it builds on)."""
+    doc = read_yaml(Path(path))
+    return [*doc["pipelines"], *(doc.get("sweeps") or {})]
+
+
 def pipeline_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
     return list(load_doc(path)["pipelines"])
 
