@@ -215,8 +215,8 @@ def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
     return {"defaults": _deep_merge(project["defaults"], own["defaults"]),
             "defaults_layers": [("defaults", own["defaults"]),
                                 (f"{DEFAULT_PIPELINE_FILE.name} defaults", project["defaults"])],
-            "pipelines": {**project["pipelines"], **own["pipelines"]},
-            "sweeps": {**project["sweeps"], **own["sweeps"]},
+            "pipelines": {**own["pipelines"], **_missing(project["pipelines"], own["pipelines"])},
+            "sweeps": {**own["sweeps"], **_missing(project["sweeps"], own["sweeps"])},
             "layers": {"own": own["pipelines"], "project": project["pipelines"]},
             "file": path}
 
@@ -225,6 +225,10 @@ def own_names(path: Path | str) -> list[str]:
     """The pipelines and sweeps a file defines itself (not those it builds on)."""
     doc = read_yaml(Path(path))
     return [*doc["pipelines"], *(doc.get("sweeps") or {})]
+
+
+def _missing(base: dict, own: dict) -> dict:
+    return {k: v for k, v in base.items() if k not in own}
 
 
 def pipeline_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
