@@ -29,7 +29,8 @@ from flows import compare, diff
 from flows.sweep import add_adhoc_args, resolve
 from stages.common.fit import estimate_pipeline, format_estimate
 from stages.common.memory import free_memory
-from stages.engine.cli import add_config_option, command, guarded
+from stages.engine.cli import add_config_option, guarded
+from stages.engine.commands import command
 from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.remote_store import open_store

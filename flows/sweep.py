@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from flows.variants import Sweep, adhoc, save_definition, spec, stored, sweep
-from stages.engine.cli import add_config_option, command, guarded, setup_logging
+from stages.engine.cli import add_config_option, guarded
+from stages.engine.commands import command, setup_logging
 from stages.engine.config import pipeline_names, store_root, sweep_names
 from stages.engine.errors import ConfigError
 from stages.engine.remote_store import open_store

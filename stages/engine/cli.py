@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from stages.engine.config import DEFAULT_PIPELINE_FILE, is_project_file, load_pipeline, override_strings
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import Stage, check_run_options
 from stages.engine.schema import PipelineConfig
@@ -39,22 +38,6 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
     pipeline.yaml; any other file builds on it, see stages/engine/config.py)."""
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, metavar="FILE",
                    help="pipeline file (default: the project's pipeline.yaml, which another file extends)")
-
-
-def config_args(config: Path | str | None) -> list[str]:
-    """`--config FILE` (absolute) for a command the project prints, [] for the project's own file."""
-    if config is None or is_project_file(config):
-        return []
-    return ["--config", str(Path(config).resolve())]
-
-
-def command(module: str, *args: str, config: Path | str | None = None,
-            overrides: list[str] | dict | None = None, name: str | None = None) -> str:
-    """A command line the project prints for the user to run: `python -m MODULE ARGS`, repeating the pipeline
-    file, the sweep's --name and the --set list, shell-quoted, so that it works as printed."""
-    parts = ["python", "-m", module, *args, *config_args(config), *(["--name", name] if name else []),
-             *(a for o in override_strings(overrides) for a in ("--set", o))]
-    return shlex.join(parts)
 
 
 def load_args(args: argparse.Namespace, graph: Iterable[Stage]) -> PipelineConfig:

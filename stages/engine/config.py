@@ -316,12 +316,14 @@ def load_pipeline(name: str, overrides: list[str] | dict | None = None,
     merged = copy.deepcopy(doc.get("defaults") or {})
     for _, body in reversed(chain):
         merged = _deep_merge(merged, body)
-    if "overrides" in merged:
-        raise ConfigError(f"pipelines.{name}: 'overrides' is set by the loader from --set; remove it from {path.name}")
+    for field in ("overrides", "config_file"):
+        if field in merged:
+            raise ConfigError(f"pipelines.{name}: '{field}' is set by the loader; remove it from {path.name}")
     over = overrides_to_dict(overrides)
     merged = _deep_merge(merged, over)
     merged["name"] = name
     merged["overrides"] = override_strings(overrides)
+    merged["config_file"] = None if is_project_file(path) else str(path.resolve())
     merged.pop("extends", None)
     try:
         return PipelineConfig.model_validate(merged)

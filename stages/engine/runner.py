@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.engine.commands import command
 from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
 from stages.engine.fingerprint import (
     OUTPUT_LIBRARIES,
@@ -194,7 +195,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
     missing = [u for u in st.upstream if u not in done]
     if missing:
         raise MissingInputError(f"stage {st.name}: upstream {', '.join(missing)} has not run; run the pipeline "
-                                f"without --only first")
+                                f"without --only first: {run_command(cfg)}")
     ups = {u: done[u] for u in st.upstream}
     ctx_factory = lambda out, work: StageContext(  # noqa: E731
         cfg=ConfigView(cfg, st.reads, st.name), out_dir=out, work_dir=work,
@@ -222,8 +223,10 @@ def cached_outcome(store: Store, item: Planned, done: dict[str, Outcome], verify
     return Outcome(sk.stage, sk.key, store.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
 
 
-def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False) -> dict[str, Outcome]:
-    """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store."""
+def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False,
+                      run: str = "the pipeline without --only") -> dict[str, Outcome]:
+    """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store
+    (`run`: the command that computes them, for the error's fix)."""
     done: dict[str, Outcome] = {}
     ancestors = _ancestors(items, only)
     for item in items:  # in pipeline order: a stage's upstream is in `done` before the stage
@@ -232,9 +235,14 @@ def upstream_for_only(items: list[Planned], only: str, store: Store, verify: boo
             hit = cached_outcome(store, item, done, verify)
             if hit is None:
                 raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
-                                        f"config; run the whole pipeline first")
+                                        f"config; run the whole pipeline first: {run}")
             done[name] = hit
     return done
+
+
+def run_command(cfg: PipelineConfig) -> str:
+    """The command that runs this config's whole pipeline, as it was loaded (file and --set list)."""
+    return command("flows.finetune", cfg.name, config=cfg.config_file, overrides=cfg.overrides)
 
 
 RunStage = Callable[..., Outcome]  # run_stage's signature: (cfg, item, store, done, *, force, verify)
@@ -250,7 +258,7 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
     check_run_options(graph, force, only, until)
     cfg = precheck(cfg, graph, only, until)  # the stages run on the config their keys were computed from
     items = plan(cfg, graph, store.hashes())
-    done = upstream_for_only(items, only, store, verify) if only else {}
+    done = upstream_for_only(items, only, store, verify, run_command(cfg)) if only else {}
     results = []
     for item in to_run(items, only, until):
         name = item.stage.name

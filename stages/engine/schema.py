@@ -351,6 +351,9 @@ class PipelineConfig(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
                                  "card's reproduce command repeats them")
+    config_file: str | None = runtime(None, description="the user's pipeline file this config was loaded from, "
+                                      "absolute (set by the loader; null for the project's pipeline.yaml): "
+                                      "commands the project prints repeat it as --config")
 
     @model_validator(mode="after")
     def _select_best_is_validated(self) -> PipelineConfig:
