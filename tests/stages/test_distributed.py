@@ -1,11 +1,13 @@
-"""Multi-process training: the train loop under `accelerate launch` (2 gloo processes on CPU) against one
-process on the same data order."""
+"""Multi-process training: the train loop under `accelerate launch` (2 gloo processes on CPU; or 2 "machines"
+of 1 process each, two launcher invocations meeting at one rendezvous on loopback) against one process on
+the same data order."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import checkpoints
-from stages.common.distributed import LaunchError, launch
+from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
 from stages.train import train_model
 
@@ -91,6 +93,62 @@ def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path, reference):
     train_lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in train_lines if x["kind"] == "train"] == list(range(1, 15))
     assert [s for s, _ in checkpoints(work / "checkpoints")] == [10, 14]
+
+
+def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
+    """Machines 0 and 1, one process each: two `accelerate launch` invocations (machine 1's in a thread),
+    each with its own work and launch folders, meeting at one rendezvous on 127.0.0.1. Returns both results."""
+    port = free_port()
+
+    def machine(rank: int) -> dict | None:
+        d = tmp_path / f"machine{rank}"
+        return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
+                                                      "weights": str(tmp_path / f"w{rank}.st"), **extra},
+                      1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
+                      main_process_ip="127.0.0.1", port=port)
+
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(machine, 1)
+        try:
+            first = machine(0)
+        finally:
+            second = other.result()  # on a failure machine 0's error wins; machine 1's is chained to it
+    return first, second
+
+
+def test_two_machines_by_1x2_match_one_process_by_1x4(tmp_path, reference):
+    """Acceptance: 2 machines x 1 process (gloo) x micro-batch 1 x accumulation 2 = 1 process x 1 x 4; the
+    first process of machine 0 alone wrote the weights, the run log and the checkpoints."""
+    from safetensors.torch import load_file
+
+    ref, ref_weights = reference
+    m, other = two_machines(tmp_path)
+    diff = max_diff(ref_weights, load_file(str(tmp_path / "w0.st")))
+    print(f"2 machines x 1 process x 1 x 2 vs 1 process x 1 x 4, {m['steps']} steps: max |w2 - w1| = {diff:.2e}")
+    assert diff < 1e-5
+    assert other is None and not (tmp_path / "w1.st").exists()
+    assert m["steps"] == ref["steps"] == 14 and m["effective_batch"] == ref["effective_batch"] == 4
+    assert m["num_processes"] == 2 and m["num_machines"] == 2 and m["gradient_accumulation_steps"] == 2
+    assert m["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
+    assert [s for s, _ in checkpoints(tmp_path / "machine0" / "work" / "checkpoints")] == [10, 14]
+    assert not (tmp_path / "machine1" / "out").exists() and not (tmp_path / "machine1" / "work").exists()
+
+
+def test_two_machines_resume_from_machine_0s_checkpoint(tmp_path, reference):
+    """Machine 1's process dies after step 7; on the rerun machine 0's step-5 checkpoint, which machine 1
+    cannot see, reaches it over the process group: both resume from step 5 and end on the reference weights."""
+    from safetensors.torch import load_file
+
+    with pytest.raises(LaunchError):
+        two_machines(tmp_path, crash_at=7)
+    assert [s for s, _ in checkpoints(tmp_path / "machine0" / "work" / "checkpoints")] == [5]
+    assert not (tmp_path / "machine1" / "work" / "checkpoints").exists()
+    m, _ = two_machines(tmp_path)
+    assert m["resumed_from_step"] == 5
+    assert [s for s, _ in checkpoints(tmp_path / "machine1" / "work" / "received" / "rank-1")] == [5]
+    diff = max_diff(reference[1], load_file(str(tmp_path / "w0.st")))
+    print(f"2 machines, crashed after step 7, resumed from step 5: max |w - w_reference| = {diff:.2e}")
+    assert diff < 1e-5
 
 
 @needs_shared_data
