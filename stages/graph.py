@@ -63,6 +63,7 @@ STAGES: list[Stage] = [
         name="train",
         body=train.run,
         reads=("train", "model.task"),
+        joins=train.joins_machine_0,  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),

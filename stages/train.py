@@ -26,6 +26,12 @@ accumulation x processes; every process takes its shard of each effective batch,
 the count over the whole global batch and DDP averages the gradients (shard_window), so the weights equal
 one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and writes the
 artifact. The OOM back-off is off there (one process cannot retry alone).
+
+Several machines (train.num_machines > 1): every machine runs the same pipeline with its own
+train.machine_rank; each launches its num_processes and they meet at machine 0's main_process_ip:port
+(torchrun's rendezvous). Global rank 0 (on machine 0) alone writes; on the other machines the stage runs
+outside the store (Stage.joins: no lease, nothing committed) and their pipeline stops after it. A resume
+checkpoint lives on machine 0's disk: its rank 0 sends it to the others over the process group.
 """
 
 from __future__ import annotations
@@ -78,6 +84,15 @@ def run(ctx: Any) -> dict[str, Any]:
     if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
         return launch_training(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
     return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
+
+
+def joins_machine_0(cfg: Any) -> str | None:
+    """Stage.joins: on machine_rank > 0 this run's processes train with machine 0's, which commits."""
+    t = cfg.train
+    if t.num_machines > 1 and t.machine_rank > 0:
+        return (f"machine {t.machine_rank} of {t.num_machines}: training with machine 0 "
+                f"({t.main_process_ip}:{t.main_process_port}), which writes the artifact")
+    return None
 
 
 def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import needs_shared_data, run
+from helpers import needs_shared_data, run, spawn
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import checkpoints
 from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
+from stages.engine.store import Store
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
@@ -166,6 +167,30 @@ def test_the_stage_with_two_processes_through_the_store(store_dir):
     load_trained(out["model"].path, out["adapters"].path, art)
     with pytest.raises(ConfigError, match=r"fp16 needs a CUDA GPU.*\(raised in process [01] of 2\)"):
         run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", "train.mixed_precision=fp16", until="train")
+
+
+@needs_shared_data
+def test_the_stage_on_two_machines_each_with_its_own_store(tmp_path, store_dir):
+    """The multi-machine walkthrough on loopback: the same pipeline command on "machine 1" (a `python -m
+    stages` process with its own store) and on machine 0 (this process), machine_rank apart. Machine 0
+    commits the train artifact of the global batch; machine 1 trained with it, committed no train artifact
+    and stopped after train."""
+    sets = ["train.max_steps=2", "train.num_machines=2", "train.main_process_ip=127.0.0.1",
+            f"train.main_process_port={free_port()}"]
+    other = spawn(["tiny-imdb", "--until", "evaluate", *[a for s in [*sets, "train.machine_rank=1"] for a in ("--set", s)]],
+                  tmp_path / "store1")
+    try:
+        out = run("tiny-imdb", *sets, until="train")
+    finally:
+        printed, _ = other.communicate(timeout=600)
+    assert other.returncode == 0, printed[-3000:]
+    m = out["train"].manifest["metrics"]
+    assert (m["num_machines"], m["num_processes"], m["micro_batch_size"], m["gradient_accumulation_steps"]) == (2, 2, 4, 2)
+    assert m["effective_batch"] == 16 and m["steps"] == 2
+    joined = [line for line in printed.splitlines() if line.strip().startswith("train ")]
+    assert len(joined) == 1 and "joined" in joined[0] and out["train"].key[:12] in joined[0], printed[-3000:]
+    assert "evaluate " not in printed  # machine 1 stops after train: it has no train artifact
+    assert {stage for stage, _, _ in Store(tmp_path / "store1").entries()} == {"data", "tokenize", "model", "adapters"}
 
 
 def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path, reference, caplog):
