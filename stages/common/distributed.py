@@ -7,7 +7,9 @@ run_dir/payload.json` in its own process group, streams every line the processes
 waits, and returns what rank 0's function returned (JSON, through run_dir/result.json). `--multi_gpu` is
 accelerate's torchrun launcher: one process per GPU, or on a machine without CUDA N CPU processes that
 talk over gloo (accelerate's `--cpu` would start only one). Inside, `Accelerator()` reads the launcher's
-environment (RANK, WORLD_SIZE, MASTER_PORT) and wraps the model in DDP.
+environment (RANK, WORLD_SIZE, MASTER_PORT) and wraps the model in DDP. Several machines: each calls
+`launch` with its `machine_rank` and machine 0's address and port (torchrun's rendezvous); a machine other
+than 0 returns None. `share_folder` hands rank 0's files (a resume checkpoint) to the other machines.
 
 A failure becomes one stage error: a FinetuneError raised in a process (a config problem, a missing
 input) is raised again here with its own class and message; anything else (a crash, a killed process)
@@ -133,20 +135,21 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
     except BaseException:
         _stop(proc)
         raise
-    raised = _raised_in_worker(run_dir, what)
+    alone = f"{what}.num_processes=1" if num_machines == 1 else f"{what}.num_machines=1 and {what}.num_processes=1"
+    raised = _raised_in_worker(run_dir, what, alone)
     if raised is not None:
         raise raised
     if rc != 0:
         raise LaunchError(
             f"{what}: the {num_processes}-process run under accelerate launch failed (exit status {rc}); its last "
             f"lines: {' | '.join(list(tail)[-8:])}. Fix the cause above (the full output is in the stage log), "
-            f"or set {what}.num_processes=1 to run in one process")
+            f"or set {alone} to run in one process")
     if machine_rank > 0:
         return None  # rank 0, and with it the result, lives on machine 0
     result = run_dir / "result.json"
     if not result.is_file():
         raise LaunchError(f"{what}: the launched processes exited without a result from rank 0 ({result}); "
-                          f"see the stage log, or set {what}.num_processes=1")
+                          f"see the stage log, or set {alone}")
     return json.loads(result.read_text())
 
 
@@ -163,7 +166,7 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
+def _raised_in_worker(run_dir: Path, what: str, alone: str) -> FinetuneError | None:
     """The first error a process reported (the cause; the others' errors follow from it, e.g. a lost
     peer): a FinetuneError rebuilt with its own class, anything else a LaunchError naming it and the fix."""
     reports = [json.loads(p.read_text()) for p in run_dir.glob("error-*.json")]
@@ -175,7 +178,7 @@ def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
         hint = (f"lower {what}.micro_batch_size (the out-of-memory back-off works in one process only), or "
                 if "out of memory" in info["message"].lower() else "fix the cause, or ")
         return LaunchError(f"{what}: {where} under accelerate launch failed with {info['type']}: {info['message']} "
-                           f"(traceback in the stage log); {hint}set {what}.num_processes=1 to run in one process")
+                           f"(traceback in the stage log); {hint}set {alone} to run in one process")
     return None
 
 

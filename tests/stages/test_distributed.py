@@ -125,7 +125,7 @@ def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, r
     from safetensors.torch import load_file
 
     ref, ref_weights = reference
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError, match=r"under accelerate launch failed .*set train.num_machines=1 and train.num_processes=1"):
         two_machines(tmp_path, crash_at=7)
     assert [s for s, _ in checkpoints(tmp_path / "machine0" / "work" / "checkpoints")] == [5]
     m, other = two_machines(tmp_path)
