@@ -86,15 +86,6 @@ def run(ctx: Any) -> dict[str, Any]:
     return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
 
 
-def joins_machine_0(cfg: Any) -> str | None:
-    """Stage.joins: on machine_rank > 0 this run's processes train with machine 0's, which commits."""
-    t = cfg.train
-    if t.num_machines > 1 and t.machine_rank > 0:
-        return (f"machine {t.machine_rank} of {t.num_machines}: training with machine 0 "
-                f"({t.main_process_ip}:{t.main_process_port}), which writes the artifact")
-    return None
-
-
 def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                 log: logging.Logger) -> dict[str, Any]:
     import datasets

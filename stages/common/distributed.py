@@ -92,6 +92,15 @@ def launch_command(payload: Path, num_processes: int, port: int, config_file: Pa
             "--main_process_port", str(port), "-m", "stages.common.distributed", str(payload)]
 
 
+def joining(settings: Any, what: str = "train") -> str | None:
+    """Stage.joins for a stage launched on several machines: on machine_rank > 0 its processes train with
+    machine 0's, which commits (a line saying so); None on machine 0 or one machine."""
+    if settings.num_machines > 1 and settings.machine_rank > 0:
+        return (f"machine {settings.machine_rank} of {settings.num_machines}: {what} with machine 0 "
+                f"({settings.main_process_ip}:{settings.main_process_port}), which writes the artifact")
+    return None
+
+
 def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path, log: logging.Logger, *,
            port: int | None = None, config_file: str | Path | None = None, what: str = "train",
            pythonpath: list[str] = (), num_machines: int = 1, machine_rank: int = 0,
