@@ -16,6 +16,7 @@ from stages import export as export_stage
 from stages.common import distributed
 from stages.common.fit import check_pipeline_fits
 from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
+from stages.common.metrics import validation_metric_files
 from stages.common.models import input_files as model_input_files
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
@@ -71,7 +72,7 @@ STAGES: list[Stage] = [
         reads=("train", "model.task"),
         joins=lambda cfg: distributed.joining(cfg.train),  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
-        inputs=train.metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
+        inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from stages.common import distributed, metrics
+from stages.common import distributed
 from stages.common.batching import Batch, epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
@@ -79,14 +79,6 @@ TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 # ====================================================================== the stage
 
-def metric_files(cfg: Any) -> list[Path]:
-    """The stage's input files: the metric module select_best's metric is computed with (its content in the
-    key, as the evaluate stage's)."""
-    sb = cfg.train.select_best
-    module = metrics.VALIDATION_MODULES.get(sb.metric.removeprefix("val_")) if sb is not None else None
-    return metrics.module_files([module]) if module else []
-
-
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
     if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
@@ -115,9 +107,8 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
     validation's weights); write metrics.jsonl, tensorboard/ and loss.png to out_dir; resume from (and
     checkpoint to) work_dir/checkpoints. Returns the manifest metrics. `on_step(step, loss)` is a test
-    hook called after every optimizer step; `tokenizer`: for a select_best metric scored on generated text
-    (ROUGE). Under `accelerate launch` (N processes) each process trains
-    on its shard of every effective batch (shard_window); only rank 0 validates, logs and writes."""
+    hook called after every optimizer step (`tokenizer`: for a ROUGE select_best). Under `accelerate launch`
+    (N processes) each trains on its shard of every effective batch; only rank 0 validates, logs and writes."""
     trainer = TrainRun(model, train_ds, val_ds, tcfg, task, pad_id, work_dir, log, on_step, tokenizer)
     trainer.train()
     return trainer.finish(out_dir)
@@ -132,8 +123,8 @@ class TrainRun:
             raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
         if pad_id is None:
             raise MissingInputError("train: the tokenizer has no pad token; the tokenize stage should set one")
-        self.tcfg, self.task, self.pad_id, self.log, self.on_step = tcfg, task, pad_id, log, on_step
-        self.tokenizer = tokenizer
+        self.tcfg, self.task, self.pad_id, self.log, self.on_step, self.tokenizer = (tcfg, task, pad_id, log,
+                                                                                     on_step, tokenizer)
         self.accelerator, self.precision = make_accelerator(tcfg.mixed_precision, log)
         self.device, self.world = self.accelerator.device, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -283,9 +274,8 @@ class TrainRun:
         decide to stop early; across processes that decision is broadcast to every rank."""
         p = self.progress
         if self.is_main and self.val_rows is not None:
-            metric = self.tcfg.select_best.metric if self.tcfg.select_best is not None else None
             res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device,
-                                metric, self.tokenizer)
+                                getattr(self.tcfg.select_best, "metric", None), self.tokenizer)
             rec = {"kind": "validation", "step": p.step, "epoch": p.epoch + 1, **res}
             p.history.append(rec)
             note = self.keeper.update(p, res, self.core)

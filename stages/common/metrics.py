@@ -74,6 +74,14 @@ def module_files(names: Sequence[str]) -> list[Path]:
     return [p for p in paths if p is not None]
 
 
+def validation_metric_files(cfg: Any) -> list[Path]:
+    """The train stage's input files: the module select_best's metric is computed with during training
+    (val_macro_f1, val_rouge*), its content in the key as in the evaluate stage's."""
+    sb = cfg.train.select_best
+    module = VALIDATION_MODULES.get(sb.metric.removeprefix("val_")) if sb is not None else None
+    return module_files([module]) if module else []
+
+
 def load(name: str) -> Any:
     """The `evaluate` module `name`: shipped or local by path, else from the hub (checked first)."""
     import evaluate
