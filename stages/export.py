@@ -154,9 +154,11 @@ class _Configured:
 
 def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: str) -> Any:
     """The tokenize stage's tokenizer, truncating at tokenize.max_length by default (model_max_length),
-    padding decoder-only prompts on the left."""
+    giving input_ids + attention_mask, padding decoder-only prompts on the left."""
     tok = load_tokenizer(tok_dir)
     tok.model_max_length = t.max_length
+    # the stages feed the model these two only (a BERT tokenizer on a T5 / BLOOM would add token_type_ids)
+    tok.model_input_names = tok.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
     if task == "causal_lm":
         tok.padding_side = "left"
     tok.save_pretrained(str(out))
