@@ -19,7 +19,7 @@ Export is downstream of evaluate: the card carries its metrics and generation_co
 change of an evaluation setting re-exports (re-merges) unchanged weights; the card is then never behind.
 The card's `--set` list is the run's own less its runtime settings (`PipelineConfig.result_overrides`, in the
 key); pipeline.yaml is not read (any edit of any pipeline would re-export): the commands name the shipped
-finetune_pipeline.yaml, which holds every setting that is in a key.
+finetune_pipeline.yaml, which holds every in-key setting that differs from the schema's defaults.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from stages.common.hf import load_tokenizer, split_gguf
 from stages.common.inference import generation_kwargs
 from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, load_trained, peft_dispatch
 from stages.engine.errors import ConfigError
+from stages.engine.fingerprint import canonical_json
 from stages.engine.runner import select
 
 # the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
@@ -178,6 +179,29 @@ def config_sections(cfg: Any) -> dict[str, Any]:
     return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
+def non_defaults(section: Any) -> dict[str, Any]:
+    """A section's in-key values that differ from the schema's defaults, compared as the key sees them
+    (canonical JSON): re-read from a pipeline file they give the same keys. (Writing a default out would not:
+    `adapters.alpha`'s default is the int 16, which a file's `16` validates to the float 16.0.)"""
+    out: dict[str, Any] = {}
+    fields = type(section).model_fields
+    for name, value in section.cache_dict().items():
+        if fields[name].is_required():
+            out[name] = value
+            continue
+        default = fields[name].get_default(call_default_factory=True)
+        current = getattr(section, name)
+        if hasattr(current, "cache_dict") and type(default) is type(current):
+            sub = non_defaults(current)
+            if sub:
+                out[name] = sub
+            continue
+        plain = default.cache_dict() if hasattr(default, "cache_dict") else default
+        if canonical_json(value) != canonical_json(plain):
+            out[name] = value
+    return out
+
+
 def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
     args = ["python", "-m", module, name, "--config", PIPELINE_YAML] + [a for s in (sets or []) for a in ("--set", s)]
     return " ".join(shlex.quote(a) for a in args)
@@ -291,7 +315,8 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     lines += ["## Files", "", f"- top of the folder: {top}; tokenizer files (truncating at "
               f"{sections['tokenize']['max_length']} tokens)"]
     lines += [f"- `{k}/`: {v}" for k, v in extra.items()]
-    lines += [f"- `{PIPELINE_YAML}` / `{PIPELINE_JSON}`: this pipeline's settings (every one that is in a key)",
+    lines += [f"- `{PIPELINE_YAML}`: this pipeline for `--config` (every in-key setting that is not a default); "
+              f"`{PIPELINE_JSON}`: every in-key setting",
               "- `README.md`: this card", ""]
     names = sections["data"].get("label_names") if task == "seq_cls" else None
     if names:  # also the exported config's id2label / label2id
@@ -374,11 +399,13 @@ def run(ctx: Any) -> dict[str, Any]:
     sets = list(cfg.result_overrides)  # the run's own --set list (runtime settings dropped)
     evaluated = scores(ctx.upstream_manifests["evaluate"].get("metrics", {}))
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
-    settings = {"description": cfg.description, **sections}
-    (out / PIPELINE_JSON).write_text(json.dumps({"name": cfg.name, **settings}, indent=2, sort_keys=True))
-    (out / PIPELINE_YAML).write_text(f"# {cfg.name} as exported: every setting in a key (python -m flows.finetune "
-                                     f"{cfg.name} --config {PIPELINE_YAML})\n"
-                                     + yaml.safe_dump({"pipelines": {cfg.name: settings}}, sort_keys=False))
+    (out / PIPELINE_JSON).write_text(json.dumps({"name": cfg.name, "description": cfg.description, **sections},
+                                                indent=2, sort_keys=True))
+    changed = {s: v for s in CARD_SECTIONS if (v := non_defaults(getattr(cfg, s)))}
+    (out / PIPELINE_YAML).write_text(f"# {cfg.name} as exported: every in-key setting that differs from the schema's "
+                                     f"defaults\n# python -m flows.finetune {cfg.name} --config {PIPELINE_YAML}\n"
+                                     + yaml.safe_dump({"pipelines": {cfg.name: {"description": cfg.description,
+                                                                                **changed}}}, sort_keys=False))
     (out / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, fmt, extra, sets,
                                         facts, revision, evaluated))
     ctx.log.info("export: %s at the top%s", fmt, "".join(f", {k}/" for k in extra))
