@@ -9,8 +9,8 @@ The scores come from the `evaluate` modules `evaluate.metrics` names (default: t
 offline accuracy / f1 / rouge modules, stages/common/metrics.py); the confusion matrix is computed here.
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
-labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch),
-as batching.split_micro cuts them; predictions are written in split order.
+labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch) by
+stages/common/inference.py, which `flows.predict` shares; predictions are written in split order.
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
 prediction, reference; a classifier's as class names when the data names them, with prediction_id and
@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 
-from stages.common import metrics
+from stages.common import inference, metrics
 from stages.common.arrow import read_split
-from stages.common.batching import collate, split_micro
-from stages.common.generation import generate, prompt_of, stop_token
+from stages.common.batching import collate
 from stages.common.hf import load_tokenizer
+from stages.common.inference import batches, class_logits, device_for, generation_kwargs, prompt_of
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
-from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
 from stages.engine.schema import PipelineConfig
 
@@ -63,41 +62,17 @@ def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torc
     return model
 
 
-def device_for(model: torch.nn.Module) -> torch.device:
-    """The GPU when there is one. A model loaded onto it (quantized, device_map) stays where it is."""
-    current = next(model.parameters()).device
-    if current.type != "cpu" or not torch.cuda.is_available():
-        return current
-    model.to("cuda")
-    return torch.device("cuda")
-
-
-def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
-    """Greedy (num_beams 1) or beam search; length_penalty only means something with beams. Generation
-    stops at the token the targets were tokenized to end with (the tokenizer's closing special)."""
-    kw: dict[str, Any] = {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": False,
-                          "eos_token_id": stop_token(tok, model), "pad_token_id": tok.pad_token_id}
-    if e.num_beams > 1:
-        kw["length_penalty"] = e.length_penalty
-        kw["early_stopping"] = True
-    return kw
-
-
-# ---------------------------------------------------------------- per task
-
-
 @torch.no_grad()
 def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
              desc: str) -> list[int]:
-    preds: list[int] = [0] * len(rows["input_ids"])
-    lengths = [len(x) for x in rows["input_ids"]]
-    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
-        b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
-                    "seq_cls").to(device)
-        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-        for j, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
-            preds[j] = int(p)
-    return preds
+    """Predicted class ids, in row order."""
+    logits = class_logits(model, rows["input_ids"], pad_id, batch_size, device, desc, log)
+    return [int(p) for p in logits.argmax(-1).tolist()]
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+             device: torch.device, decoder_only: bool, desc: str) -> tuple[list[str], list[int]]:
+    return inference.generate(model, prompts, tok, gen, batch_size, device, decoder_only, desc, log)
 
 
 @torch.no_grad()
@@ -106,7 +81,7 @@ def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch
 
     total, units = 0.0, 0
     lengths = [len(x) for x in rows["input_ids"]]
-    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
+    for idx in batches(lengths, batch_size, desc, log):
         b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
                     "causal_lm").to(device)
         total += float(summed_loss(model, b, "causal_lm"))

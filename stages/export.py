@@ -1,24 +1,25 @@
-"""Export stage: the trained result in the formats people load elsewhere.
+"""Export stage: the trained model as a folder that plain torch + transformers (+ peft) load, offline, from the
+folder path alone (`AutoTokenizer.from_pretrained(folder)` and an Auto class), and a model card.
 
-    adapter/   LoRA: the trained PEFT adapter (adapter_config.json + adapter_model.safetensors, modules_to_save
-               included): `PeftModel.from_pretrained(base, "adapter")` on the model stage's base
-    merged/    LoRA with export.merge: the base dequantized (when 4/8-bit) to export.merged_dtype, the LoRA
-               weights merged in; safetensors + config.json + tokenizer, loadable with the Auto class alone
-    model/     full finetune: the trained model itself in export.merged_dtype, with its tokenizer
-    README.md  model card: pipeline name, the config, data / tokenize / model / adapters / train keys,
-               training metrics, the command that reproduces it
-    config.json  the same config as data
+At the top of the folder, one Hugging Face model (export.format picks it for LoRA; see the schema):
+    merged   config.json (id2label / label2id) + model.safetensors + generation_config.json: the base (dequantized
+             when 4/8-bit) with the LoRA merged in, in export.merged_dtype; load with AutoModelFor...
+             adapter/ beside it: the PEFT adapter alone (its base_model_name_or_path is the pipeline's model.name)
+    adapter  adapter_config.json + adapter_model.safetensors (modules_to_save included): base_model_name_or_path
+             is the hub id and `revision` the commit sha the run pinned; load with AutoPeftModelFor...
+             merged/ beside it with export.merge
+    model    a full finetune: the trained model itself, in export.merged_dtype
+plus the tokenizer files (model_max_length = tokenize.max_length), generation_config.json for seq2seq /
+causal_lm (the evaluate stage's generation settings, so a bare `model.generate(**batch)` reproduces its texts),
+finetune_pipeline.yaml / finetune_pipeline.json (the pipeline's settings, under names no HF tool reads as a
+model config) and README.md, the card: HF front matter with the evaluated metrics, a usage snippet, the
+commands that reproduce and re-evaluate it.
 
-Why the card has no evaluation metrics: they are the evaluate stage's (metrics.json). Reading them would
-put evaluate upstream of export, so a change of beams or max_new_tokens would re-export (and re-merge)
-unchanged weights; with export independent of evaluate such a change reruns exactly one stage body. The
-card names the evaluate command instead. For the same reason the card prints every section that shapes
-the weights (all of them declared in the stage's reads, so the key covers what is printed) but not
-`evaluate`.
-
-The card's `--set` list is the run's own `--set` list less the evaluation and runtime settings
-(`PipelineConfig.weight_overrides`, in the key). pipeline.yaml is not read (any edit of any pipeline would
-re-export), so after an edit of that pipeline the command can be stale; config.json is always exact.
+Export is downstream of evaluate: the card carries its metrics and generation_config.json its settings, so a
+change of an evaluation setting re-exports (re-merges) unchanged weights; the card is then never behind.
+The card's `--set` list is the run's own less its runtime settings (`PipelineConfig.result_overrides`, in the
+key); pipeline.yaml is not read (any edit of any pipeline would re-export): the commands name the shipped
+finetune_pipeline.yaml, which holds every in-key setting that differs from the schema's defaults.
 """
 
 from __future__ import annotations
@@ -31,23 +32,69 @@ from typing import Any
 
 import torch
 
-from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, peft_dispatch
+from stages.common.hf import load_tokenizer, split_gguf
+from stages.common.inference import generation_kwargs
+from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, load_trained, peft_dispatch
 from stages.engine.errors import ConfigError
+from stages.engine.fingerprint import canonical_json
 from stages.engine.runner import select
 
 # the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
-CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
+CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
+PIPELINE_JSON, PIPELINE_YAML = "finetune_pipeline.json", "finetune_pipeline.yaml"
+AUTO_MODEL = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
+              "causal_lm": "AutoModelForCausalLM"}
+AUTO_PEFT = {task: name.replace("AutoModel", "AutoPeftModel") for task, name in AUTO_MODEL.items()}
+PIPELINE_TAG = {"seq_cls": "text-classification", "seq2seq": "text2text-generation",
+                "causal_lm": "text-generation"}
+HUB_DATASETS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
+
+
+# ---------------------------------------------------------------- what goes at the top
+
+
+def hub_base(m: Any) -> bool:
+    """Whether the base is a hub model that from_pretrained(id, revision=sha) rebuilds (not a package, a local
+    folder, a GGUF file or a random init)."""
+    return not m.from_config and not m.gguf_file and split_gguf(m.name, None)[2] is None
+
+
+def top_format(cfg: Any) -> str:
+    """`model` (full finetune), `adapter` or `merged`: what sits at the top of the export folder."""
+    if cfg.adapters.method == "full":
+        return "model"
+    m, x = cfg.model, cfg.export
+    alone = hub_base(m) and m.task != "seq_cls"
+    if x.format == "adapter" and not alone:
+        why = ("its base is not on a hub" if not hub_base(m) else
+               "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
+        raise ConfigError(f"export.format adapter: the adapter alone cannot load from the export folder ({why}); "
+                          f"set export.format to auto or merged")
+    if x.format == "auto":
+        return "adapter" if alone and cfg.quantization.mode == "none" else "merged"
+    return x.format
+
+
+def pinned_revision(ctx: Any) -> str | None:
+    """The commit sha the model stage pinned the hub base to (its key input `hub ID@REVISION`)."""
+    inputs = (ctx.upstream_manifests["model"].get("key_inputs") or {}).get("inputs") or {}
+    m = ctx.cfg.model
+    return inputs.get(f"hub {m.name}@{m.revision or 'main'}")
 
 
 # ---------------------------------------------------------------- weights
 
 
-def export_adapter(trained: Path, out: Path, base_name: str) -> None:
-    """The trained PEFT adapter, with the base recorded as the model's name (not a store path)."""
-    shutil.copytree(trained, out)
+def export_adapter(trained: Path, out: Path, base_name: str, revision: str | None = None) -> None:
+    """The trained PEFT adapter (its two files), with the base recorded by name (not a store path) and, for
+    a hub base, the pinned commit."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(trained / name, out / name)
     cfg_path = out / "adapter_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["base_model_name_or_path"] = base_name
+    cfg["revision"] = revision
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
@@ -84,11 +131,45 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
                     "untied_lm_head": untied}
 
 
-def save_hf(model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> None:
+def generation_config(model_dir: Path, e: Any, tok: Any, task: str) -> Any:
+    """The base's generation config with the evaluate stage's settings (greedy or beams, max_new_tokens, the
+    closing special as end token): what evaluate generated with. None for a classifier."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if task == "seq_cls":
+        return None
+    folder = Path(model_dir) / "model" if (Path(model_dir) / "model" / LOAD_INFO).is_file() else Path(model_dir)
+    config = AutoConfig.from_pretrained(str(folder))
+    try:
+        gen = GenerationConfig.from_pretrained(str(folder))
+    except OSError:
+        gen = GenerationConfig.from_model_config(config)
+    gen.update(**generation_kwargs(e, tok, _Configured(config)))
+    return gen
+
+
+class _Configured:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+
+def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: str) -> Any:
+    """The tokenize stage's tokenizer, truncating at tokenize.max_length by default (model_max_length),
+    giving input_ids + attention_mask, padding decoder-only prompts on the left."""
+    tok = load_tokenizer(tok_dir)
+    tok.model_max_length = t.max_length
+    # the stages feed the model these two only (a BERT tokenizer on a T5 / BLOOM would add token_type_ids)
+    tok.model_input_names = tok.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
+    if task == "causal_lm":
+        tok.padding_side = "left"
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def save_hf(model: torch.nn.Module, out: Path, gen: Any) -> None:
+    if gen is not None:
+        model.generation_config = gen
     model.save_pretrained(str(out), safe_serialization=True)
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
 
 
 # ---------------------------------------------------------------- the card
@@ -98,8 +179,31 @@ def config_sections(cfg: Any) -> dict[str, Any]:
     return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
+def non_defaults(section: Any) -> dict[str, Any]:
+    """A section's in-key values that differ from the schema's defaults, compared as the key sees them
+    (canonical JSON): re-read from a pipeline file they give the same keys. (Writing a default out would not:
+    `adapters.alpha`'s default is the int 16, which a file's `16` validates to the float 16.0.)"""
+    out: dict[str, Any] = {}
+    fields = type(section).model_fields
+    for name, value in section.cache_dict().items():
+        if fields[name].is_required():
+            out[name] = value
+            continue
+        default = fields[name].get_default(call_default_factory=True)
+        current = getattr(section, name)
+        if hasattr(current, "cache_dict") and type(default) is type(current):
+            sub = non_defaults(current)
+            if sub:
+                out[name] = sub
+            continue
+        plain = default.cache_dict() if hasattr(default, "cache_dict") else default
+        if canonical_json(value) != canonical_json(plain):
+            out[name] = value
+    return out
+
+
 def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
-    args = ["python", "-m", module, name] + [a for s in (sets or []) for a in ("--set", s)]
+    args = ["python", "-m", module, name, "--config", PIPELINE_YAML] + [a for s in (sets or []) for a in ("--set", s)]
     return " ".join(shlex.quote(a) for a in args)
 
 
@@ -107,38 +211,126 @@ def lineage(ctx: Any) -> dict[str, str]:
     """Keys of every stage these weights came from (data through the tokenize manifest)."""
     m = ctx.upstream_manifests
     keys = {"data": m["tokenize"].get("upstream", {}).get("data", {}).get("key")}
-    keys.update({s: m[s]["key"] for s in ("tokenize", "model", "adapters", "train")})
+    keys.update({s: m[s]["key"] for s in ("tokenize", "model", "adapters", "train", "evaluate")})
     return keys
 
 
-def card(name: str, description: str | None, sections: dict[str, Any], keys: dict[str, str], train: dict[str, Any],
-         files: dict[str, str], sets: list[str], facts: dict[str, Any]) -> str:
+def scores(evaluated: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{split: {metric: value}}: the evaluate stage's numeric metrics (no counts, no confusion matrix)."""
+    skip = ("examples", "tokens", "generated_tokens_mean", "generated_tokens_max", "confusion_matrix")
+    return {split: {k: v for k, v in vals.items() if isinstance(v, int | float) and k not in skip}
+            for split, vals in (evaluated.get("splits") or {}).items()}
+
+
+def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | None,
+                 evaluated: dict[str, dict[str, float]]) -> str:
     import yaml
 
-    task = sections["model"]["task"]
-    lines = [
-        "---",
-        f"library_name: {'peft' if 'adapter' in files else 'transformers'}",
-        "tags: [finetune]",
-        "---",
-        f"# {name}",
-        "",
-    ]
+    m, d = sections["model"], sections["data"]
+    task = PIPELINE_TAG[m["task"]]
+    meta: dict[str, Any] = {}
+    if revision is not None:  # a hub base: its id (the revision is the adapter config's)
+        meta["base_model"] = m["name"]
+    meta["library_name"] = "peft" if fmt == "adapter" else "transformers"
+    meta["pipeline_tag"] = task
+    meta["tags"] = ["finetune"] + (["lora"] if sections["adapters"]["method"] == "lora" else [])
+    dataset = d.get("hub_id") or HUB_DATASETS.get(d["source"])
+    if dataset:
+        meta["datasets"] = [dataset]
+    names = sorted({k for v in evaluated.values() for k in v})
+    if names:
+        meta["metrics"] = names
+        meta["model-index"] = [{"name": name, "results": [
+            {"task": {"type": task}, "dataset": {"name": dataset or d["source"], "type": dataset or d["source"],
+                                                 "split": split},
+             "metrics": [{"type": k, "name": f"{split} {k}", "value": round(float(v), 6)} for k, v in vals.items()]}
+            for split, vals in evaluated.items()]}]
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+EXAMPLES = {"seq_cls": ["A wonderful, moving film with a great cast.", "Dull, predictable and far too long."],
+            "seq2seq": ["This bill amends the Internal Revenue Code to extend the tax credit for small businesses "
+                        "that hire veterans through 2030."],
+            "causal_lm": ["Once upon a time"]}
+
+
+def usage_snippet(task: str, fmt: str, prefix: str) -> str:
+    """Python that loads the folder with transformers (+ peft) alone and runs it on two texts; run it from the
+    export folder (or set `folder` to its path)."""
+    cls = AUTO_PEFT[task] if fmt == "adapter" else AUTO_MODEL[task]
+    lib = "peft" if fmt == "adapter" else "transformers"
+    lines = ["import torch"]
+    if fmt == "adapter":
+        lines += [f"from peft import {cls}", "from transformers import AutoTokenizer"
+                  + (", GenerationConfig" if task != "seq_cls" else "")]
+    else:
+        lines += [f"from {lib} import AutoTokenizer, {cls}"]
+    lines += ["", 'folder = "."  # this export folder', "tok = AutoTokenizer.from_pretrained(folder)",
+              f"model = {cls}.from_pretrained(folder).eval()", f"texts = {EXAMPLES[task]!r}"]
+    inputs = f"[{prefix!r} + t for t in texts]" if prefix else "texts"
+    lines += [f"batch = tok({inputs}, truncation=True, padding=True, return_tensors=\"pt\")"]
+    if task == "seq_cls":
+        lines += ["with torch.no_grad():", "    probs = model(**batch).logits.softmax(-1)",
+                  "for text, p in zip(texts, probs):",
+                  "    print(model.config.id2label[int(p.argmax())], round(float(p.max()), 3), text)"]
+    else:
+        gen = ", generation_config=GenerationConfig.from_pretrained(folder)" if fmt == "adapter" else ""
+        lines += ["with torch.no_grad():  # generation_config.json: the evaluate stage's settings",
+                  f"    out = model.generate(**batch{gen})"]
+        if task == "causal_lm":
+            lines += ["out = out[:, batch[\"input_ids\"].shape[1]:]  # the continuation only"]
+        lines += ["for text in tok.batch_decode(out, skip_special_tokens=True):", "    print(text.strip())"]
+    return "\n".join(lines)
+
+
+FILES = {
+    "merged": "the base with the LoRA weights merged in ({dtype}{deq}): config.json, model.safetensors, "
+              "generation_config.json; `{auto}.from_pretrained(folder)`",
+    "adapter": "the PEFT LoRA adapter: adapter_config.json (base `{base}` at commit `{rev}`), "
+               "adapter_model.safetensors; `{peft}.from_pretrained(folder)` fetches the base from the hub",
+    "model": "the finetuned model ({dtype}): config.json, model.safetensors; `{auto}.from_pretrained(folder)`",
+}
+
+
+def card(name: str, description: str | None, sections: dict[str, Any], keys: dict[str, str], train: dict[str, Any],
+         fmt: str, extra: dict[str, str], sets: list[str], facts: dict[str, Any], revision: str | None,
+         evaluated: dict[str, dict[str, float]]) -> str:
+    import yaml
+
+    m, task = sections["model"], sections["model"]["task"]
+    lines = [front_matter(name, sections, fmt, revision, evaluated) + f"# {name}", ""]
     if description:
         lines += [description, ""]
-    lines += [f"Task `{task}`, base model `{sections['model']['name']}`, adapters "
-              f"`{sections['adapters']['method']}`, quantization `{sections['quantization']['mode']}`.", ""]
-    lines += ["## Files", ""] + [f"- `{k}/`: {v}" for k, v in files.items()] + [""]
+    base = f"`{m['name']}`" + (f" (hub, commit `{revision}`)" if revision else
+                                " (not on a hub: the weights at the top of this folder stand alone)")
+    lines += [f"Task `{task}`, base model {base}, adapters `{sections['adapters']['method']}`, quantization "
+              f"`{sections['quantization']['mode']}`.", ""]
+    if evaluated:
+        lines += ["## Evaluation", "", "| split | metric | value |", "|---|---|---|"]
+        lines += [f"| {s} | {k} | {round(float(v), 4)} |" for s, vals in evaluated.items() for k, v in vals.items()]
+        lines += [""]
+    deq = f", dequantized from {facts['dequantized_from']}" if facts.get("dequantized_from") else ""
+    top = FILES[fmt].format(dtype=facts.get("dtype", "float32"), deq=deq, auto=AUTO_MODEL[task],
+                            peft=AUTO_PEFT[task], base=m["name"], rev=revision)
+    lines += ["## Files", "", f"- top of the folder: {top}; tokenizer files (truncating at "
+              f"{sections['tokenize']['max_length']} tokens)"]
+    lines += [f"- `{k}/`: {v}" for k, v in extra.items()]
+    lines += [f"- `{PIPELINE_YAML}`: this pipeline for `--config` (every in-key setting that is not a default); "
+              f"`{PIPELINE_JSON}`: every in-key setting",
+              "- `README.md`: this card", ""]
     names = sections["data"].get("label_names") if task == "seq_cls" else None
     if names:  # also the exported config's id2label / label2id
         lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
         lines += [""]
-    lines += ["## Reproduce", "", "```bash", command(name, sets), "```", ""]
-    lines += ["The `--set` options are the ones this run was given (evaluation and runtime settings left "
-              "out), on top of pipeline.yaml's `" + name + "` "
-              "as it was then; `config.json` holds the exact values (with a changed pipeline.yaml, add its "
-              "sections under `pipelines:`).", ""]
-    lines += ["Evaluation metrics (accuracy / ROUGE) are the evaluate stage's `metrics.json`:", "", "```bash",
+    lines += ["## Usage", "", "With torch, transformers" + (" and peft" if fmt == "adapter" else "") +
+              " installed, from this folder:", "", "```python", usage_snippet(task, fmt, sections["tokenize"]["prefix"]),
+              "```", "", "Or on a text file, batched: `python -m flows.predict FOLDER --file texts.csv "
+              "--out predictions.jsonl` (from the finetune project).", ""]
+    lines += ["## Reproduce", "", f"From the finetune project's root, with `{PIPELINE_YAML}` copied there:", "",
+              "```bash", command(name, sets), "```", ""]
+    lines += ["The `--set` options are the ones this run was given (its runtime settings left out); they are "
+              f"already folded into `{PIPELINE_YAML}`. Settings that do not change results (data.mirror, logging, "
+              "devices) take their defaults. Re-evaluate from the store without retraining:", "", "```bash",
               command(name, sets, "stages") + " --only evaluate", "```", ""]
     lines += ["## Training metrics", "", "| metric | value |", "|---|---|"]
     for k in ("steps", "epochs_done", "examples", "effective_batch", "precision", "optimizer", "trainable_params",
@@ -152,8 +344,7 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     lines += [""]
     lines += ["## Stage keys", "", "| stage | key |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in keys.items()]
     lines += [""]
-    if facts:
-        lines += ["## Export", "", "```json", json.dumps(facts, indent=2, sort_keys=True), "```", ""]
+    lines += ["## Export", "", "```json", json.dumps(facts, indent=2, sort_keys=True), "```", ""]
     lines += ["## Config", "", "```yaml", yaml.safe_dump(sections, sort_keys=False).rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -162,38 +353,60 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
 
 
 def run(ctx: Any) -> dict[str, Any]:
-    cfg, x = ctx.cfg, ctx.cfg.export
+    import yaml
+
+    cfg, x, out = ctx.cfg, ctx.cfg.export, ctx.out_dir
     model_dir, train_dir = ctx.upstream["model"], ctx.upstream["train"]
-    tok_dir = ctx.upstream["tokenize"] / "tokenizer"
     trained = train_dir / "trained"
     dtype = DTYPES[x.merged_dtype]
-    method = cfg.adapters.method
-    files: dict[str, str] = {}
-    facts: dict[str, Any] = {"method": method}
+    task, method = cfg.model.task, cfg.adapters.method
+    fmt = top_format(cfg)
+    revision = pinned_revision(ctx) if hub_base(cfg.model) else None
+    tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, task)
+    gen = generation_config(model_dir, cfg.evaluate, tok, task)
+    extra: dict[str, str] = {}
+    facts: dict[str, Any] = {"method": method, "format": fmt, "base_revision": revision}
     if method == "lora":
-        export_adapter(trained, ctx.out_dir / "adapter", cfg.model.name)
-        files["adapter"] = "PEFT LoRA adapter: `PeftModel.from_pretrained(base, 'adapter')`"
-        if x.merge:
-            merged, more = merged_model(model_dir, ctx.out_dir / "adapter", dtype)
-            save_hf(merged, tok_dir, ctx.out_dir / "merged")
-            files["merged"] = f"base with the LoRA merged in, {x.merged_dtype}, safetensors + tokenizer"
-            facts.update(merged=True, merged_dtype=x.merged_dtype, **more)
+        if fmt == "adapter":
+            export_adapter(trained, out, cfg.model.name, revision)
+            if gen is not None:
+                gen.save_pretrained(str(out))
+        else:
+            export_adapter(trained, out / "adapter", cfg.model.name, revision)
+            extra["adapter"] = (f"the PEFT adapter alone, for `PeftModel.from_pretrained(base, 'adapter')` on the "
+                                f"base `{cfg.model.name}`")
+        if fmt == "merged" or x.merge:
+            merged, more = merged_model(model_dir, trained, dtype)
+            where = out if fmt == "merged" else out / "merged"
+            save_hf(merged, where, gen)
+            if where != out:
+                tok.save_pretrained(str(where))
+                extra["merged"] = f"the base with the LoRA merged in, {x.merged_dtype}, safetensors + tokenizer"
+            facts.update(merged=True, dtype=x.merged_dtype, **more)
     elif method == "full":
         if not (trained / LOAD_INFO).is_file():
             raise ConfigError(f"{trained}: not a full-finetune model; rerun the train stage")
-        model = load_model(trained).to(dtype).eval()
+        model = load_trained(model_dir, ctx.upstream["adapters"], train_dir).to(dtype)
         model.config.dtype = dtype
-        save_hf(model, tok_dir, ctx.out_dir / "model")
-        files["model"] = f"the finetuned model, {x.merged_dtype}, safetensors + tokenizer"
-        facts.update(model_dtype=x.merged_dtype)
+        save_hf(model, out, gen)
+        facts.update(dtype=x.merged_dtype)
     else:  # pragma: no cover - AdaptersConfig allows only these
         raise ConfigError(f"adapters.method {method}: cannot export")
+    (out / LOAD_INFO).unlink(missing_ok=True)
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
-    sets = list(cfg.weight_overrides)  # the run's own --set list (evaluation and runtime settings dropped)
+    sets = list(cfg.result_overrides)  # the run's own --set list (runtime settings dropped)
+    evaluated = scores(ctx.upstream_manifests["evaluate"].get("metrics", {}))
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
-    (ctx.out_dir / "config.json").write_text(json.dumps({"name": cfg.name, **sections}, indent=2, sort_keys=True))
-    (ctx.out_dir / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, files, sets, facts))
-    ctx.log.info("export: %s", ", ".join(files))
-    return {**facts, "files": sorted(files), "keys": keys, "command": command(cfg.name, sets)}
+    (out / PIPELINE_JSON).write_text(json.dumps({"name": cfg.name, "description": cfg.description, **sections},
+                                                indent=2, sort_keys=True))
+    changed = {s: v for s in CARD_SECTIONS if (v := non_defaults(getattr(cfg, s)))}
+    (out / PIPELINE_YAML).write_text(f"# {cfg.name} as exported: every in-key setting that differs from the schema's "
+                                     f"defaults\n# python -m flows.finetune {cfg.name} --config {PIPELINE_YAML}\n"
+                                     + yaml.safe_dump({"pipelines": {cfg.name: {"description": cfg.description,
+                                                                                **changed}}}, sort_keys=False))
+    (out / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, fmt, extra, sets,
+                                        facts, revision, evaluated))
+    ctx.log.info("export: %s at the top%s", fmt, "".join(f", {k}/" for k in extra))
+    return {**facts, "files": sorted(p.name for p in out.iterdir()), "keys": keys, "command": command(cfg.name, sets)}

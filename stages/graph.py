@@ -88,9 +88,9 @@ STAGES: list[Stage] = [
         name="export",
         body=export_stage.run,
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
-        # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export.
-        reads=("name", "description", "weight_overrides", *export_stage.CARD_SECTIONS),
-        upstream=("tokenize", "model", "adapters", "train"),  # tokenize: the tokenizer shipped with the model
+        # Downstream of evaluate: the card carries its metrics, generation_config.json its settings.
+        reads=("name", "description", "result_overrides", *export_stage.CARD_SECTIONS),
+        upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
 ]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from stages.common import metrics
 from stages.common.batching import IGNORE_INDEX, Batch, collate, split_micro
-from stages.common.generation import decoded_targets, generate, prompt_of, stop_token
+from stages.common.inference import decoded_targets, generate, prompt_of, stop_token
 from stages.common.losses import loss_units, summed_loss
 
 

@@ -348,10 +348,17 @@ class EvaluateConfig(Section):
 
 
 class ExportConfig(Section):
-    merge: bool = Field(False, description="LoRA: also write merged/ (base dequantized to merged_dtype, LoRA "
-                        "merged in, safetensors + tokenizer + config)")
+    format: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="LoRA: what sits at the top of the export folder. adapter: the PEFT adapter "
+        "(AutoPeftModelFor... loads it with its base, named by hub id and pinned commit); merged: the base with "
+        "the LoRA merged in (AutoModelFor...), the adapter in adapter/. auto: adapter when the folder alone can "
+        "rebuild the model that way (an unquantized hub base with its own head: seq2seq, causal_lm), else "
+        "merged (a package, local, GGUF or random base; a classifier's new head; a 4/8-bit base, dequantized). "
+        "A full finetune's model is always at the top")
+    merge: bool = Field(False, description="with the adapter at the top: also write merged/ (the base dequantized "
+                        "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of the merged model's weights (and of a full finetune's model/)")
+        "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
 
 
 class PipelineConfig(BaseModel):
@@ -372,7 +379,7 @@ class PipelineConfig(BaseModel):
     export: ExportConfig = Field(ExportConfig(), description="the export stage")
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
-                                 "card's reproduce command repeats them")
+                                 "card's reproduce command repeats them (runtime ones left out)")
     config_file: str | None = runtime(None, description="the user's pipeline file this config was loaded from, "
                                       "absolute (set by the loader; null for the project's pipeline.yaml): "
                                       "commands the project prints repeat it as --config")
@@ -387,16 +394,14 @@ class PipelineConfig(BaseModel):
         return self
 
     @property
-    def weight_overrides(self) -> list[str]:
-        """The overrides that can change the trained weights or their export: those of `evaluate` and of
-        runtime fields dropped. The export card repeats these, so an evaluation setting never re-exports."""
-        return [o for o in self.overrides if _shapes_weights(o.split("=", 1)[0].strip().split("."))]
+    def result_overrides(self) -> list[str]:
+        """The overrides that can change a stage's result: those of runtime fields dropped. The export card
+        repeats these, so a runtime setting (logging, devices) never re-exports."""
+        return [o for o in self.overrides if _shapes_results(o.split("=", 1)[0].strip().split("."))]
 
 
-def _shapes_weights(path: list[str]) -> bool:
+def _shapes_results(path: list[str]) -> bool:
     model: Any = PipelineConfig
-    if path[0] == "evaluate":
-        return False
     for part in path:
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:

@@ -1,5 +1,6 @@
-"""The export stage: the exported adapter (reloaded on its base), the merged model and a full finetune's model
-give the evaluated model's logits on the same batch; the model card names what reproduces it."""
+"""The export stage: the exported adapter (reloaded on its base), the merged model at the top of the folder and
+a full finetune's model give the evaluated model's logits on the same batch; the model card names what
+reproduces it. (test_export_standalone.py loads the folder in a fresh interpreter without this project.)"""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipe
     adapter = PeftModel.from_pretrained(load_model(out["model"].path), str(ex / "adapter"))
     # bitsandbytes' CPU inference kernel for 4-bit layers runs in bf16 (~3e-2 here); evaluate uses fp32
     exact_cpu_kernels(adapter)
-    merged = auto(task).from_pretrained(str(ex / "merged"))
+    merged = auto(task).from_pretrained(str(ex))  # a random-init base: the merged model is at the top
     d_adapter = float((logits(adapter, b, task) - ref).abs().max())
     d_merged = float((logits(merged, b, task) - ref).abs().max())
     print(f"{pipeline} {' '.join(sets[len(BILLSUM):] or sets[-1:])}: max |logits - evaluated|: adapter {d_adapter:.2e}, merged "
@@ -78,13 +79,14 @@ def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipe
 
     assert not any(hasattr(m, "lora_A") for m in merged.modules())  # merged, not wrapped
     assert {type(m).__name__ for m in merged.modules()}.isdisjoint({"Linear4bit", "Linear8bitLt"})
-    assert "quantization_config" not in json.loads((ex / "merged" / "config.json").read_text())
+    assert "quantization_config" not in json.loads((ex / "config.json").read_text())
     assert all(p.dtype == torch.float32 for p in merged.parameters())
-    assert AutoTokenizer.from_pretrained(str(ex / "merged")).pad_token_id is not None
+    assert AutoTokenizer.from_pretrained(str(ex)).pad_token_id is not None
+    assert not (ex / "merged").exists()  # merged is the top already
     cfg = json.loads((ex / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and (ex / "adapter" / "adapter_model.safetensors").is_file()
     facts = out["export"].manifest["metrics"]
-    assert facts["merged"] and facts["dequantized_from"] == ("4bit" if "quantization.mode=4bit" in sets else None)
+    assert facts["merged"] and facts["format"] == "merged" and facts["dequantized_from"] == ("4bit" if "quantization.mode=4bit" in sets else None)
 
 
 def test_full_finetune_exports_the_model_itself(store):
@@ -92,11 +94,12 @@ def test_full_finetune_exports_the_model_itself(store):
     ex = out["export"].path
     assert not (ex / "adapter").exists() and not (ex / "merged").exists()
     model, b = evaluated_and_batch(out, "seq_cls")
-    exported = auto("seq_cls").from_pretrained(str(ex / "model"))
+    exported = auto("seq_cls").from_pretrained(str(ex))
     d = float((logits(exported, b, "seq_cls") - logits(model, b, "seq_cls")).abs().max())
     print(f"full finetune: max |logits(export/model) - evaluated| = {d:.2e}")
     assert d <= TOL
-    assert (ex / "model" / "tokenizer.json").is_file()
+    assert (ex / "tokenizer.json").is_file()
+    assert json.loads((ex / "config.json").read_text())["id2label"] == {"0": "neg", "1": "pos"}
     sets = command_reproduces(out, "tiny-imdb")  # a mapping-valued --set (data.subset) round-trips
     assert any(s.startswith("data.subset=") for s in sets)
 
@@ -104,33 +107,56 @@ def test_full_finetune_exports_the_model_itself(store):
 def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_them(store):
     out = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true")
     card = (out["export"].path / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: peft") and "# tiny-billsum" in card
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text2text-generation\n")
+    assert "# tiny-billsum" in card
     assert "tiny T5 summariser on the 100 real billsum bills" in card  # the description
-    for stage in ("data", "tokenize", "model", "adapters", "train"):
+    for stage in ("data", "tokenize", "model", "adapters", "train", "evaluate"):
         assert f"| {stage} | `{out[stage].key}` |" in card
     final = out["train"].manifest["metrics"]["final_loss"]
     assert f"| final_loss | {round(final, 6)} |" in card
-    assert "max_new_tokens" not in card.split("## Config")[1]  # evaluation settings are not what these weights depend on
-    config = json.loads((out["export"].path / "config.json").read_text())
+    rouge = out["evaluate"].manifest["metrics"]["splits"]["test"]["rouge1"]
+    assert f"| test | rouge1 | {round(rouge, 4)} |" in card
+    config = json.loads((out["export"].path / "finetune_pipeline.json").read_text())
     assert config["name"] == "tiny-billsum" and config["train"]["max_steps"] == 2
+    assert not (out["export"].path / "config.json").read_text().count("max_steps")  # the model's config
 
-    # the run's own --set list (not a diff against pipeline.yaml re-read at export time), less its evaluation
-    # and runtime settings: an evaluation change never re-exports
-    assert command_reproduces(out, "tiny-billsum") == ["train.max_steps=2", "export.merge=true"]
-    again = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true", "evaluate.max_new_tokens=3",
-                        "train.log_every=1")
-    assert again["export"].key == out["export"].key and helpers.computed(again) == {"evaluate"}
+    # the run's own --set list (not a diff against pipeline.yaml re-read at export time), less its runtime
+    # settings; the metrics and generation_config.json are evaluate's, so an evaluation change re-exports
+    assert command_reproduces(out, "tiny-billsum") == ["train.max_steps=2", "evaluate.max_new_tokens=8",
+                                                       "export.merge=true"]
+    again = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true", "train.log_every=1")
+    assert again["export"].key == out["export"].key and helpers.computed(again) == set()
+    gen = json.loads((out["export"].path / "generation_config.json").read_text())
+    assert gen["max_new_tokens"] == 8 and gen["num_beams"] == 1
 
 
 def command_reproduces(out: dict, name: str) -> list[str]:
-    """The command in the card, parsed and planned, gives the very same keys for every stage it fixes
-    (all but evaluate, whose settings the card does not carry). Returns its --set values."""
-    card = (out["export"].path / "README.md").read_text()
+    """The command in the card, parsed and planned with the shipped finetune_pipeline.yaml, gives the very
+    same keys for every stage. Returns its --set values."""
+    ex = out["export"].path
+    card = (ex / "README.md").read_text()
     line = next(ln for ln in card.splitlines() if ln.startswith("python -m flows.finetune "))
     argv = shlex.split(line)[3:]
-    assert argv[0] == name
-    sets = [argv[i + 1] for i in range(1, len(argv), 2) if argv[i] == "--set"]
-    keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets))}
-    for stage in ("data", "tokenize", "model", "adapters", "train", "export"):
+    assert argv[0] == name and argv[1:3] == ["--config", "finetune_pipeline.yaml"]
+    sets = [argv[i + 1] for i in range(3, len(argv), 2) if argv[i] == "--set"]
+    keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets, ex / argv[2]))}
+    for stage in ("data", "tokenize", "model", "adapters", "train", "evaluate", "export"):
         assert keys[stage] == out[stage].key, stage
     return sets
+
+
+def test_what_sits_at_the_top_of_the_folder_and_an_adapter_that_cannot_load_alone():
+    from stages.engine.errors import ConfigError
+    from stages.export import top_format
+
+    hub_t5 = ["model.name=acme/tiny-t5", "model.from_config=null"]
+    assert top_format(load_pipeline("tiny-billsum")) == "merged"  # a random-init base: nothing to fetch
+    assert top_format(load_pipeline("tiny-billsum", hub_t5)) == "adapter"  # hub id + pinned commit
+    assert top_format(load_pipeline("tiny-billsum", [*hub_t5, "quantization.mode=4bit"])) == "merged"
+    assert top_format(load_pipeline("tiny-billsum", [*hub_t5, "export.format=merged"])) == "merged"
+    assert top_format(load_pipeline("tiny-imdb")) == "model"  # full finetune
+    with pytest.raises(ConfigError, match=r"^export.format adapter: .*its base is not on a hub.*auto or merged$"):
+        top_format(load_pipeline("tiny-billsum", ["export.format=adapter"]))
+    lora_cls = ["model.name=acme/bloom", "model.from_config=null", *IMDB_LORA, "export.format=adapter"]
+    with pytest.raises(ConfigError, match="a classifier's head is new"):
+        top_format(load_pipeline("tiny-imdb", lora_cls))

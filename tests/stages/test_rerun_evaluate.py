@@ -1,6 +1,6 @@
 """Rerunning only evaluation: evaluation settings are their own section, so changing one after a full run
-executes exactly one stage body (evaluate; export does not read the metrics), asserted from the store's
-events; `--only evaluate` is a cache hit when nothing changed and `--force evaluate` recomputes it."""
+executes the evaluate body and the export body downstream of it (its card carries the metrics and its
+generation_config.json the settings), never a training stage, asserted from the store's events; `--only evaluate` is a cache hit when nothing changed and `--force evaluate` recomputes it."""
 
 from __future__ import annotations
 
@@ -36,18 +36,18 @@ def metrics_of(outcome) -> dict:
     return json.loads((outcome.path / "metrics.json").read_text())["test"]
 
 
-def test_changing_max_new_tokens_executes_exactly_one_stage_body(full_run):
+def test_changing_max_new_tokens_executes_evaluate_and_export_only(full_run):
     root, first = full_run
     store = Store(root)
     before = len(store.events())
     again = helpers.run("tiny-billsum", *BASE, "evaluate.max_new_tokens=3")
     events = new_events(store, before)
-    assert [(e["stage"], e["event"]) for e in events] == [(s, "computed" if s == "evaluate" else "cached")
-                                                         for s in ALL]
-    assert computed(again) == {"evaluate"}
+    rerun = {"evaluate", "export"}
+    assert [(e["stage"], e["event"]) for e in events] == [(s, "computed" if s in rerun else "cached") for s in ALL]
+    assert computed(again) == rerun
     for s in ALL:
-        if s != "evaluate":
-            assert again[s].key == first[s].key  # export included: it does not read evaluation results
+        if s not in rerun:
+            assert again[s].key == first[s].key
     old, new = metrics_of(first["evaluate"]), metrics_of(again["evaluate"])
     print(f"max_new_tokens 8 -> 3: generated tokens max {old['generated_tokens_max']} -> "
           f"{new['generated_tokens_max']}, mean {old['generated_tokens_mean']} -> {new['generated_tokens_mean']}")

@@ -1,0 +1,164 @@
+"""Run a trained model on new text (no Prefect, no training): the pipeline's current export, or any export folder.
+
+    finetune predict PIPELINE [--config FILE] [--set ...] --text "a review" [--text ...]
+    finetune predict EXPORT_FOLDER --file reviews.csv [--text-column review] [--out predictions.jsonl]
+
+(= python -m flows.predict; flows/predict.py is the shim.)
+
+Classifiers print each text's label and its probability (--out: JSONL with every class's probability);
+seq2seq / causal_lm models print the generated text, with the evaluate stage's generation settings (the
+export's generation_config.json; --max-new-tokens / --num-beams change them). Texts are tokenized as the
+tokenize stage does and run in batches sorted by length (stages/common/exported.py), with a progress bar
+on long inputs. From a pipeline name it uses the store's export for the current config and refuses, in one
+line naming the command that makes it, when that export is missing or stale. Bad input (no text, an empty
+file, no such column, a folder that is not an export) is one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from stages.engine.cli import guarded
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.status import CACHED, find
+
+SHOWN = 80  # characters of each input text printed beside its prediction
+
+
+def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Predict with a pipeline's current "
+                                "export or an export folder: labels with probabilities, or generated text.")
+    p.add_argument("target", help="a pipeline name (its export in the store) or an export folder")
+    p.add_argument("--text", action="append", default=[], help="a text to predict on (repeatable)")
+    p.add_argument("--file", type=Path, help="a CSV or JSONL file (.gz too) with one text per row")
+    p.add_argument("--text-column", default="text", help="--file's column holding the text (default: text)")
+    p.add_argument("--out", type=Path, help="write one JSON line per text here instead of printing")
+    p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    p.add_argument("--max-new-tokens", type=int, help="generation: tokens to generate (default: the export's)")
+    p.add_argument("--num-beams", type=int, help="generation: beams (default: the export's)")
+    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override of the pipeline whose export to use (repeatable)")
+    return p
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def read_texts(path: Path, column: str) -> list[str]:
+    """The texts of a CSV or JSONL file (optionally gzipped), in file order."""
+    if not path.is_file():
+        raise MissingInputError(f"--file {path}: no such file")
+    name = path.name.removesuffix(".gz")
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", newline="") as f:
+        if name.endswith(".jsonl") or name.endswith(".json"):
+            rows = []
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError:
+                        raise ConfigError(f"--file {path}: line {n} is not JSON; give one JSON object per "
+                                          f"line") from None
+            columns = list(rows[0]) if rows and isinstance(rows[0], dict) else []
+        elif name.endswith((".csv", ".tsv")):
+            reader = csv.DictReader(f, delimiter="\t" if name.endswith(".tsv") else ",")
+            rows, columns = list(reader), list(reader.fieldnames or [])
+        else:
+            raise ConfigError(f"--file {path}: not a .csv, .tsv or .jsonl file")
+    if not rows:
+        raise ConfigError(f"--file {path}: no rows")
+    if column not in columns:
+        raise ConfigError(f"--file {path}: no column '{column}' (it has {', '.join(map(str, columns)) or 'none'}); "
+                          f"pass --text-column")
+    texts = [r.get(column) if isinstance(r, dict) else None for r in rows]
+    empty = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
+    if empty:
+        raise ConfigError(f"--file {path}: column '{column}' is empty or not text in row {empty[0] + 1} "
+                          f"({len(empty)} rows); remove or fill those rows")
+    return texts
+
+
+def finetune_command(cfg: Any, config: Path) -> str:
+    args = ["python", "-m", "flows.finetune", cfg.name]
+    if Path(config) != Path(DEFAULT_PIPELINE_FILE):
+        args += ["--config", str(config)]
+    args += [a for s in cfg.overrides for a in ("--set", s)]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
+    """An export folder: `target` itself, or the store's export of pipeline `target` under its current config."""
+    path = Path(target)
+    if path.is_dir() or "/" in target or target.startswith("."):
+        if overrides:
+            raise ConfigError("--set applies to a pipeline name, not to an export folder; drop it")
+        if not path.is_dir():
+            raise MissingInputError(f"{target}: no such folder; give a pipeline name or an export folder")
+        return path
+    from stages.engine.remote_store import open_store
+    from stages.graph import pipeline_status
+
+    cfg = load_pipeline(target, overrides, config)
+    st = find(pipeline_status(cfg, open_store()), "export")
+    if st.status != CACHED or st.path is None:
+        why = "; ".join(st.reasons) or st.status
+        raise MissingInputError(f"{cfg.name}: no current export ({st.status}: {why}); make it with: "
+                                f"{finetune_command(cfg, config)}")
+    return Path(st.path)
+
+
+# ---------------------------------------------------------------- output
+
+
+def shown(text: str) -> str:
+    one = " ".join(text.split())
+    return one if len(one) <= SHOWN else one[:SHOWN - 3] + "..."
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict") -> int:
+    args = build_parser(prog).parse_args(argv)
+
+    def go() -> int:
+        if args.batch_size < 1:
+            raise ConfigError("--batch-size: must be at least 1")
+        if args.file is not None and args.text:
+            raise ConfigError("give texts with --text or --file, not both")
+        texts = read_texts(args.file, args.text_column) if args.file is not None else list(args.text)
+        if not texts:
+            raise ConfigError("nothing to predict: give --text TEXT (repeatable) or --file FILE")
+        if any(not t.strip() for t in texts):
+            raise ConfigError("--text: an empty text; give the text to predict on")
+        folder = export_folder(args.target, args.config, args.overrides)
+        from stages.common.exported import load_export, predict
+
+        ex = load_export(folder)
+        gen = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
+               if v is not None}
+        if gen and ex.task == "seq_cls":
+            raise ConfigError("--max-new-tokens / --num-beams: this export is a classifier; drop them")
+        records = predict(ex, texts, args.batch_size, gen)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "w") as f:
+                for t, r in zip(texts, records, strict=True):
+                    f.write(json.dumps({"text": t, **r}) + "\n")
+            print(f"predict: {len(records)} texts -> {args.out} (model {folder})")
+            return 0
+        for t, r in zip(texts, records, strict=True):
+            if "label" in r:
+                print(f"{r['label']}\t{r['probability']:.3f}\t{shown(t)}")
+            else:
+                print(f"{shown(t)}\n  -> {r['generated']}")
+        return 0
+
+    return guarded(go)
+

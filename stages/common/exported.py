@@ -1,0 +1,97 @@
+"""Running an export folder (stages/export.py writes it) on new text: loaded the way a user loads it, with the
+tokenizer and the Auto class alone (AutoPeftModelFor... for an adapter at the top), the texts tokenized as
+the tokenize stage tokenizes (prefix, truncation at tokenize.max_length, the causal prompt without its
+closing special), then the evaluate stage's batched inference (stages/common/inference.py): labels with
+probabilities for a classifier, generated text for seq2seq / causal_lm."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.common.hf import special_affixes
+from stages.common.inference import class_logits, device_for, generate
+from stages.common.models import AUTO_CLASSES, quiet_transformers
+from stages.engine.errors import ConfigError
+
+PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model
+log = logging.getLogger("finetune.predict")
+
+
+@dataclass
+class Exported:
+    folder: Path
+    model: Any
+    tok: Any
+    task: str
+    prefix: str
+    max_length: int
+    generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
+
+
+def is_export(folder: Path) -> bool:
+    return (folder / PIPELINE_JSON).is_file() and any(
+        (folder / f).is_file() for f in ("config.json", "adapter_config.json"))
+
+
+def load_export(folder: Path | str) -> Exported:
+    """The folder's tokenizer and model (eval mode), on the GPU when there is one."""
+    import transformers
+
+    folder = Path(folder)
+    if not is_export(folder):
+        raise ConfigError(f"{folder}: not an export folder (no {PIPELINE_JSON} beside a config.json or "
+                          f"adapter_config.json); give a pipeline name or the export stage's folder")
+    quiet_transformers()
+    settings = json.loads((folder / PIPELINE_JSON).read_text())
+    task = settings["model"]["task"]
+    name = AUTO_CLASSES[task]
+    if (folder / "adapter_config.json").is_file():
+        import peft
+
+        model = getattr(peft, name.replace("AutoModel", "AutoPeftModel")).from_pretrained(str(folder))
+    else:
+        model = getattr(transformers, name).from_pretrained(str(folder))
+    model.eval()
+    generation: dict[str, Any] = {}
+    if task != "seq_cls":
+        gen = transformers.GenerationConfig.from_pretrained(str(folder))
+        generation = {"generation_config": gen}
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], settings["tokenize"]["max_length"],
+                    generation)
+
+
+def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
+    """The tokenize stage's input ids: prefix + text, truncated keeping the closing specials; a causal prompt
+    without them (evaluate's prompt_of)."""
+    ids = ex.tok([ex.prefix + t for t in texts], truncation=True, max_length=ex.max_length)["input_ids"]
+    if ex.task == "causal_lm":
+        _, tail = special_affixes(ex.tok)
+        ids = [x[:len(x) - len(tail)] if tail else x for x in ids]
+    return ids
+
+
+def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dict[str, Any] | None = None
+            ) -> list[dict[str, Any]]:
+    """One record per text, in order: {"label", "probability", "probabilities"} or {"generated"}."""
+    ids = token_ids(ex, texts)
+    device = device_for(ex.model)
+    if ex.task == "seq_cls":
+        probs = class_logits(ex.model, ids, ex.tok.pad_token_id, batch_size, device, "predict", log).softmax(-1)
+        names = [ex.model.config.id2label[i] for i in range(probs.shape[-1])]
+        out = []
+        for p in probs.tolist():
+            best = max(range(len(p)), key=p.__getitem__)
+            out.append({"label": names[best], "probability": round(p[best], 6),
+                        "probabilities": {n: round(v, 6) for n, v in zip(names, p, strict=True)}})
+        return out
+    gen = copy.deepcopy(ex.generation["generation_config"])
+    gen.update(**(overrides or {}))
+    texts_out, counts = generate(ex.model, ids, ex.tok, {"generation_config": gen, "eos_token_id": gen.eos_token_id},
+                                 batch_size, device, ex.task == "causal_lm", "predict", log)
+    return [{"generated": t, "generated_tokens": n} for t, n in zip(texts_out, counts, strict=True)]

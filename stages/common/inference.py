@@ -1,0 +1,121 @@
+"""Batched inference, shared by the evaluate stage and `flows.predict`: rows sorted longest first and cut into
+batches (little padding; an out-of-memory error shows on the first batch), every model call through `forward`
+(the one place where inference precision is decided), classifier logits and greedy / beam generation decoded
+the way the evaluate stage records them. Results come back in the order of the inputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from stages.common.batching import IGNORE_INDEX, split_micro
+from stages.common.hf import special_affixes
+from stages.common.progress import iterate
+
+log = logging.getLogger("finetune.inference")
+
+
+def forward(model: torch.nn.Module, *, generate: bool = False, **inputs: Any) -> Any:
+    """The one model call of inference: `model(**inputs)`, or `model.generate(**inputs)`."""
+    return model.generate(**inputs) if generate else model(**inputs)
+
+
+def device_for(model: torch.nn.Module) -> torch.device:
+    """The GPU when there is one. A model loaded onto it (quantized, device_map) stays where it is."""
+    current = next(model.parameters()).device
+    if current.type != "cpu" or not torch.cuda.is_available():
+        return current
+    model.to("cuda")
+    return torch.device("cuda")
+
+
+def batches(lengths: list[int], batch_size: int, desc: str, logger: logging.Logger | None = None
+            ) -> Iterator[list[int]]:
+    """Row indices in batches of similar length, longest first, with a progress bar (or log lines)."""
+    yield from iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, logger or log)
+
+
+def padded(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of token id lists padded to the longest (on the left for decoder-only
+    generation)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for r, s in enumerate(seqs):
+        p = torch.as_tensor(s, dtype=torch.long)
+        if left:
+            ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
+        else:
+            ids[r, :len(p)], mask[r, :len(p)] = p, 1
+    return ids, mask
+
+
+def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """Greedy (num_beams 1) or beam search from an `evaluate` section; length_penalty only means something
+    with beams. Generation stops at the token the targets were tokenized to end with (the tokenizer's
+    closing special)."""
+    kw: dict[str, Any] = {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": False,
+                          "eos_token_id": stop_token(tok, model), "pad_token_id": tok.pad_token_id}
+    if e.num_beams > 1:
+        kw["length_penalty"] = e.length_penalty
+        kw["early_stopping"] = True
+    return kw
+
+
+def stop_token(tok: Any, model: torch.nn.Module) -> int | None:
+    """The token the targets were tokenized to end with (the tokenizer's closing special), else EOS."""
+    _, tail = special_affixes(tok)
+    return tail[-1] if tail else (tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id)
+
+
+def decoded_targets(tok: Any, labels: list[list[int]]) -> list[str]:
+    """The target texts of tokenized rows (their labels, masked positions dropped), as generation decodes."""
+    return [tok.decode([t for t in y if t != IGNORE_INDEX], skip_special_tokens=True).strip() for y in labels]
+
+
+def prompt_of(input_ids: list[int], labels: list[int]) -> list[int]:
+    """causal_lm rows are prompt + target with the prompt's labels masked: the prompt is that prefix."""
+    n = next((k for k, y in enumerate(labels) if y != IGNORE_INDEX), len(labels))
+    return input_ids[:n]
+
+
+@torch.no_grad()
+def class_logits(model: torch.nn.Module, rows: list[list[int]], pad_id: int, batch_size: int, device: torch.device,
+                 desc: str, logger: logging.Logger | None = None) -> torch.Tensor:
+    """A classifier's logits (rows x classes, float32 on the CPU), in the order of `rows`."""
+    out: torch.Tensor | None = None
+    for idx in batches([len(x) for x in rows], batch_size, desc, logger):
+        ids, mask = padded([rows[j] for j in idx], pad_id)
+        logits = forward(model, input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        if out is None:
+            out = torch.empty((len(rows), logits.shape[-1]), dtype=torch.float32)
+        out[torch.as_tensor(idx)] = logits
+    return out if out is not None else torch.empty((0, 0))
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+             device: torch.device, decoder_only: bool, desc: str, logger: logging.Logger | None = None
+             ) -> tuple[list[str], list[int]]:
+    """Batched generation: (decoded texts, generated token counts), in the order of `prompts`.
+    Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
+    texts: list[str] = [""] * len(prompts)
+    counts: list[int] = [0] * len(prompts)
+    pad = tok.pad_token_id
+    eos = gen.get("eos_token_id")
+    stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
+    for idx in batches([len(p) for p in prompts], batch_size, desc, logger):
+        ids, mask = padded([prompts[j] for j in idx], pad, left=decoder_only)
+        out = forward(model, generate=True, input_ids=ids.to(device), attention_mask=mask.to(device), **gen)
+        # decoder-only: the prompt comes back first; encoder-decoder: the decoder start token does
+        new = out[:, ids.shape[1]:] if decoder_only else out[:, 1:]
+        for r, j in enumerate(idx):
+            seq = new[r].tolist()
+            end = next((k for k, t in enumerate(seq) if t in stops), None)
+            seq = seq if end is None else seq[:end + 1]  # a finished row is padded after its end token
+            counts[j] = len(seq)
+            texts[j] = tok.decode(seq, skip_special_tokens=True).strip()
+    return texts, counts

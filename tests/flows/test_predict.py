@@ -1,0 +1,89 @@
+"""`python -m flows.predict`: an export folder or a pipeline's current export on --text / --file, labels with
+probabilities or generated text equal to the evaluate stage's predictions; a missing or stale export and bad
+input are one line, exit 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import helpers
+import pytest
+from helpers import BILLSUM, IMDB, needs_shared_data
+
+from flows.predict import main
+from stages.common.arrow import read_split
+
+pytestmark = needs_shared_data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("predict-store")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FINETUNE_STORE", str(root))
+        yield {"imdb": helpers.run("tiny-imdb", *IMDB), "billsum": helpers.run("tiny-billsum", *BILLSUM)}
+
+
+def evaluated(out: dict) -> tuple[list[str], list]:
+    recs = [json.loads(ln) for ln in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["split"] == "test"]
+    table = read_split(out["data"].path, "test")
+    text = dict(zip([str(i) for i in table.column("id").to_pylist()], table.column("text").to_pylist(), strict=True))
+    return [text[r["id"]] for r in recs], [r["prediction"] for r in recs]
+
+
+def test_a_csv_file_gives_the_evaluated_labels_with_probabilities(runs, tmp_path, capsys):
+    texts, expected = evaluated(runs["imdb"])
+    src = tmp_path / "reviews.csv"
+    with open(src, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "review"])
+        w.writerows(enumerate(texts))
+    out = tmp_path / "p.jsonl"
+    folder = str(runs["imdb"]["export"].path)
+    assert main([folder, "--file", str(src), "--text-column", "review", "--out", str(out), "--batch-size", "3"]) == 0
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["text"] for r in recs] == texts  # file order, though batches run longest first
+    assert [r["label"] for r in recs] == expected
+    for r in recs:
+        assert abs(sum(r["probabilities"].values()) - 1) < 1e-4 and r["probability"] == max(r["probabilities"].values())
+    assert f"{len(texts)} texts -> {out}" in capsys.readouterr().out
+
+
+def test_a_pipeline_name_uses_its_current_export_and_generates_the_evaluated_text(runs, monkeypatch, capsys):
+    monkeypatch.setenv("FINETUNE_STORE", str(runs["billsum"]["export"].path.parents[1]))
+    texts, expected = evaluated(runs["billsum"])
+    sets = [a for s in BILLSUM for a in ("--set", s)]
+    assert main(["tiny-billsum", *sets, "--text", texts[0], "--text", texts[1]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.removeprefix("  -> ") for ln in lines[1::2]] == expected[:2]
+
+    # another config: its export is not in the store -> one line naming the command that makes it
+    assert main(["tiny-billsum", *sets, "--set", "train.lr=0.5", "--text", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    assert "no current export (stale: changed params: result_overrides, train.lr;" in err
+    assert err.endswith("make it with: python -m flows.finetune tiny-billsum --set train.max_steps=2 --set "
+                        "evaluate.max_new_tokens=8 --set train.lr=0.5")
+    assert main(["tiny-billsum", "--set", "train.max_steps=1", "--text", "x"]) == 2
+    assert "no current export (" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,name,argv,message", [
+    ("id,body\n1,good\n", "a.csv", [], "no column 'text' (it has id, body); pass --text-column"),
+    ("", "a.csv", [], "no rows"),
+    ('{"text": "ok"}\n{"text": ""}\n', "a.jsonl", [], "column 'text' is empty or not text in row 2"),
+    (None, None, ["--text", "x"], "not an export folder"),
+    (None, None, [], "nothing to predict"),
+], ids=["no-text-column", "empty-file", "empty-text", "not-an-export", "no-input"])
+def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys, content, name, argv, message):
+    target = str(runs["imdb"]["export"].path)
+    if content is not None:
+        (tmp_path / name).write_text(content)
+        argv = ["--file", str(tmp_path / name)]
+    elif message == "not an export folder":
+        target = str(tmp_path)
+    assert main([target, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
