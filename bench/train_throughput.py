@@ -238,7 +238,7 @@ def run_bare(make_model, tok, texts, labels, device: torch.device) -> dict:
     import torch.nn.functional as F
 
     from stages.common.batching import epoch_batches
-    from stages.common.splits import Rows
+    from stages.common.validation import Rows
 
     cfg = stage_config()
     rows = Rows(stage_rows(tok, texts, labels))

@@ -28,8 +28,8 @@ from pathlib import Path
 import flows  # noqa: F401  (project defaults only; this module never imports prefect)
 from flows import compare, diff
 from flows.sweep import add_adhoc_args, resolve
-from stages.common.fit import estimate_pipeline, format_estimate
 from stages.common.memory import free_memory
+from stages.common.pipeline_memory import estimate_pipeline, format_estimate
 from stages.engine.cli import guarded
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import ConfigError

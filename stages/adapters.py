@@ -3,7 +3,7 @@
 (`adapter/`, seeded by adapters.init_seed); `full` makes every parameter trainable (the BLOOM article)
 and saves only `adapters.json`. Manifest: trainable / total / percent.
 
-`stages.common.models.load_trainable` reads this artifact for the train stage: the model ready to train.
+`stages.common.model_loading.load_trainable` reads this artifact for the train stage: the model ready to train.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from stages.common import memory
-from stages.common.models import ADAPTERS_INFO, load_info, load_model, peft_dispatch
+from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model, peft_dispatch
 from stages.engine.errors import ConfigError
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}

@@ -32,7 +32,7 @@ from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX, collate, split_micro
 from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.losses import loss_units, summed_loss
-from stages.common.models import load_trained
+from stages.common.model_loading import load_trained
 from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
 from stages.engine.schema import PipelineConfig

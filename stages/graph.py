@@ -13,9 +13,9 @@ from typing import Any
 from stages import adapters, data, model, tokenize, train
 from stages import evaluate as evaluate_stage
 from stages import export as export_stage
-from stages.common.fit import check_pipeline_fits
 from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
-from stages.common.models import input_files as model_input_files
+from stages.common.model_loading import input_files as model_input_files
+from stages.common.pipeline_memory import check_pipeline_fits
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.remote_store import open_store

@@ -24,7 +24,7 @@ from torch import nn
 
 from stages.common import memory
 from stages.common.hf import load_tokenizer, split_gguf
-from stages.common.models import (
+from stages.common.model_loading import (
     LOAD_INFO,
     auto_class,
     bnb_config,

@@ -61,10 +61,10 @@ from stages.common.device import (
 from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
 from stages.common.losses import loss_units, summed_loss
-from stages.common.models import load_trainable, save_trained
+from stages.common.model_loading import load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
-from stages.common.splits import Rows, evaluate_loss, validation_rows
+from stages.common.validation import Rows, evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import TrainConfig
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.common import memory
-from stages.common.models import compute_dtype, hf_config, meta_and_plan
+from stages.common.model_loading import compute_dtype, hf_config, meta_and_plan
 from stages.engine.units import human_bytes
 
 
