@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import save_file
 
 from stages.common import distributed
-from stages.common.batching import Batch, epoch_batches, shard
+from stages.common.batching import Batch, Rows, epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -64,7 +64,7 @@ from stages.common.losses import loss_units, summed_loss
 from stages.common.model_loading import load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
-from stages.common.validation import Rows, evaluate_loss, validation_rows
+from stages.common.validation import evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import TrainConfig
 

@@ -10,10 +10,9 @@ import torch
 from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
-from stages.common.batching import collate
+from stages.common.batching import Rows, collate
 from stages.common.checkpoint import checkpoints
 from stages.common.optim import lr_factor
-from stages.common.validation import Rows
 from stages.train import accumulate_window, train_model
 
 log = logging.getLogger("test.train")
