@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from stages.common import memory
-from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model, peft_dispatch
+from stages.common.compat.peft import peft_dispatch
+from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, peft_dispatch
+from stages.common.compat.peft import peft_dispatch
+from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
 from stages.engine.runner import select
 

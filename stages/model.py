@@ -12,7 +12,6 @@ keeps in fp32 (T5's `wo`) stay fp32 unless `quantization.quantize_fp32_modules`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import resource
 import time
@@ -23,13 +22,14 @@ import torch
 from torch import nn
 
 from stages.common import memory
+from stages.common.compat.bitsandbytes import quant_state_bytes
+from stages.common.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
 from stages.common.hf import load_tokenizer, split_gguf
 from stages.common.model_loading import (
     LOAD_INFO,
     auto_class,
     bnb_config,
     compute_dtype,
-    fp32_modules_quantized,
     hf_config,
     meta_and_plan,
     quiet_transformers,
@@ -41,24 +41,6 @@ from stages.engine.units import human_bytes
 
 def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
-
-
-def quant_state_bytes(model: nn.Module) -> int:
-    """bitsandbytes' scales, which get_memory_footprint does not count (they are not parameters)."""
-    total = 0
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        qs = getattr(w, "quant_state", None)
-        if qs is not None:
-            total += qs.absmax.numel() * qs.absmax.element_size()
-            if getattr(qs, "state2", None) is not None:
-                s2 = qs.state2
-                total += s2.absmax.numel() * s2.absmax.element_size() + s2.code.numel() * s2.code.element_size()
-                total += qs.offset.numel() * qs.offset.element_size() if qs.offset is not None else 0
-        scb = getattr(w, "SCB", None)
-        if scb is not None and not any(scb is b for b in mod.buffers()):
-            total += scb.numel() * scb.element_size()
-    return total
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
@@ -76,15 +58,6 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the stage
-
-def _clear_gguf_marker(model: Any) -> None:
-    """A GGUF load leaves a quantizer that refuses save_pretrained; the weights are plain fp32 tensors."""
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    for attr in ("quantization_method", "is_quantized"):
-        with contextlib.suppress(AttributeError):
-            model.__dict__.pop(attr, None)
-
 
 def _set_pad_token(ctx: Any, config: Any) -> int | None:
     if ctx.cfg.model.task != "seq_cls" or getattr(config, "pad_token_id", None) is not None:
@@ -128,7 +101,7 @@ def run(ctx: Any) -> dict[str, Any]:
         else:
             model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=torch.float32,
                                         **kwargs, **common)
-            _clear_gguf_marker(model)
+            clear_gguf_quantizer(model)
         if qconfig is not None or plan.dtype != torch.float32:
             base = ctx.work_dir / "base"
             model.save_pretrained(base)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stages.common.compat.transformers import matches_modules
 from stages.engine.errors import ConfigError
 from stages.engine.units import human_bytes
 
@@ -81,12 +82,6 @@ class Estimate:
                 + self.activations)
 
 
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    return bool(patterns) and not should_convert_module(name, list(patterns))
-
-
 def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
     """Price every parameter (and buffer) of a meta-device model as the loader will store it."""
     est = Estimate()
@@ -97,9 +92,9 @@ def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
         if not own:
             continue
         is_linear = type(module) is nn.Linear
-        kept = _matches(name, plan.keep_fp32)
-        quantize = (plan.mode != "none" and is_linear and not _matches(name, plan.skip)
-                    and not _matches(name, plan.keep))
+        kept = matches_modules(name, plan.keep_fp32)
+        quantize = (plan.mode != "none" and is_linear and not matches_modules(name, plan.skip)
+                    and not matches_modules(name, plan.keep))
         for pname, p in own:
             priced.add(id(p))
             n = p.numel()

@@ -4,14 +4,11 @@ artifact (`load_model`, which reads `model/finetune.json`)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import logging
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,12 @@ import torch
 from torch import nn
 
 from stages.common import memory
+from stages.common.compat.peft import peft_dispatch
+from stages.common.compat.transformers import (
+    fp32_modules_quantized,
+    keep_in_fp32_modules,
+    keys_to_not_convert,
+)
 from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
 from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
@@ -102,15 +105,11 @@ def meta_model(m: Any, config: Any, dtype: torch.dtype = torch.float32) -> nn.Mo
 
 
 def meta_and_plan(m: Any, q: Any, config: Any) -> tuple[nn.Module, memory.QuantPlan]:
-    from transformers.quantizers.base import get_keys_to_not_convert
-
     dtype = param_dtype(m, q)
     meta = meta_model(m, config, dtype)
-    keep = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules", None) or ())
-    strict = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules_strict", None) or ())
-    # transformers 5 upcasts `_keep_in_fp32_modules` only when loading in fp16, the strict ones in fp16 and bf16
+    keep, strict = (set(), set()) if q.quantize_fp32_modules else keep_in_fp32_modules(meta)
     fp32 = (keep if dtype == torch.float16 else set()) | (strict if dtype != torch.float32 else set())
-    skip = set(get_keys_to_not_convert(meta)) | set(HEAD_MODULES) | set(q.skip_modules)
+    skip = keys_to_not_convert(meta) | set(HEAD_MODULES) | set(q.skip_modules)
     return meta, memory.QuantPlan(q.mode, q.double_quant, dtype, tuple(sorted(skip)), tuple(sorted(keep)),
                                   tuple(sorted(fp32)))
 
@@ -126,24 +125,6 @@ def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
                               bnb_4bit_use_double_quant=q.double_quant,
                               bnb_4bit_compute_dtype=compute_dtype(q.compute_dtype),
                               llm_int8_skip_modules=list(plan.skip))
-
-
-@contextlib.contextmanager
-def fp32_modules_quantized(cls: type, enabled: bool) -> Iterator[None]:
-    """Let bitsandbytes quantize the modules the class keeps in fp32 (T5's `wo`)."""
-    if not enabled:
-        yield
-        return
-    # patched where it is defined (T5PreTrainedModel), so sub-models such as T5Stack see it too
-    saved = [(c, a, c.__dict__[a]) for c in cls.__mro__ for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-             if a in c.__dict__]
-    for c, a, _ in saved:
-        setattr(c, a, None)
-    try:
-        yield
-    finally:
-        for c, a, v in saved:
-            setattr(c, a, v)
 
 
 def model_files(cfg: Any) -> list[Path]:
@@ -239,53 +220,6 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
         if info["quantization"] != "none":
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
         return peft.PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
-
-
-def has_bnb_layers(model: nn.Module) -> bool:
-    return any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
-
-
-def import_peft(bnb: bool) -> Any:
-    """`import peft`; with bnb False and peft not yet imported, without importing bitsandbytes (peft.helpers
-    tries it on import, for a function this project never calls)."""
-    if bnb or "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        import peft
-
-        return peft
-    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # its import raises ImportError
-    try:
-        import peft
-    finally:
-        del sys.modules["bitsandbytes"]
-        import peft.import_utils as pu
-
-        for fn in (pu.is_bnb_available, pu.is_bnb_4bit_available):  # nothing decided while it was hidden
-            getattr(fn, "cache_clear", lambda: None)()
-    return peft
-
-
-@contextlib.contextmanager
-def peft_dispatch(model: nn.Module) -> Iterator[Any]:
-    """Around a PEFT call that wraps `model`'s layers; yields the peft module. PEFT imports bitsandbytes on
-    import and, when wrapping layers, to look for its layer classes whenever the package is installed
-    (bitsandbytes then logs its CPU-kernel notices). For a model without a bitsandbytes layer neither
-    happens, so a pipeline that neither quantizes nor uses an 8-bit optimizer never imports bitsandbytes."""
-    bnb = has_bnb_layers(model)
-    peft = import_peft(bnb)
-    if bnb:
-        yield peft
-        return
-    import peft.tuners.lora.model as lora_model
-
-    names = [n for n in ("is_bnb_available", "is_bnb_4bit_available") if hasattr(lora_model, n)]
-    saved = {n: getattr(lora_model, n) for n in names}
-    for n in names:
-        setattr(lora_model, n, lambda: False)
-    try:
-        yield peft
-    finally:
-        for n, fn in saved.items():
-            setattr(lora_model, n, fn)
 
 
 def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
