@@ -18,6 +18,8 @@ from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
 from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
+from stages.engine.runner import StageContext
+from stages.engine.schema import AdaptersConfig
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
 
@@ -46,7 +48,7 @@ def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: 
         raise ConfigError("; ".join(problems))
 
 
-def lora_config(a: Any, task: str) -> Any:
+def lora_config(a: AdaptersConfig, task: str) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target_modules),
@@ -68,7 +70,7 @@ def lora_module_names(model: nn.Module) -> list[str]:
     return [n.removeprefix("base_model.model.") for n in names]
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     a = ctx.cfg.adapters
     model_dir = ctx.upstream["model"]
     info = load_info(model_dir)

@@ -26,7 +26,8 @@ from stages.common.arrow import write_arrow
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.schema import PipelineConfig
+from stages.engine.runner import StageContext
+from stages.engine.schema import DataConfig, PipelineConfig
 
 SPLITS = ("train", "validation", "test")
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
@@ -38,7 +39,7 @@ IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 i
 # ------------------------------------------------------------------ where the data comes from
 
 
-def mirror_root(data_cfg: Any) -> Path | None:
+def mirror_root(data_cfg: DataConfig) -> Path | None:
     raw = os.environ.get("FINETUNE_DATA_MIRROR") or data_cfg.mirror
     if not raw:
         return None
@@ -57,7 +58,7 @@ def local_path(raw: str) -> Path:
                             f"a folder of split files, or an aclImdb folder/tarball")
 
 
-def mirror_files(data_cfg: Any) -> list[Path]:
+def mirror_files(data_cfg: DataConfig) -> list[Path]:
     root = mirror_root(data_cfg)
     if root is None:
         return []
@@ -122,7 +123,7 @@ def _read_local(path: Path) -> dict[str, pd.DataFrame]:
     return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
 
 
-def _read_hub(cfg: Any) -> dict[str, pd.DataFrame]:
+def _read_hub(cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     hub_id = cfg.data.hub_id or HUB_IDS[cfg.data.source]
     ensure_hub_reachable(
         f"dataset {hub_id}",
@@ -138,7 +139,7 @@ def _read_hub(cfg: Any) -> dict[str, pd.DataFrame]:
     return frames
 
 
-def load_source(cfg: Any) -> tuple[dict[str, pd.DataFrame], str]:
+def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
     if cfg.data.source == "local" or cfg.data.path:
         path = local_path(cfg.data.path)
         return _read_local(path), f"local:{path}"
@@ -195,7 +196,7 @@ def _label_column(path: str, column: str, size: int, mtime_ns: int) -> tuple[tup
     return tuple(sorted({str(v) for v in values})), (int(ids.max()) if integer else None)
 
 
-def found_labels(cfg: Any) -> tuple[list[str] | None, int | None]:
+def found_labels(cfg: PipelineConfig) -> tuple[list[str] | None, int | None]:
     """(names, largest integer id) of the labels the data stage will read, without running it: IMDB and
     aclImdb name theirs neg/pos; local files are read (their label column only, when the format allows).
     Names when any label is not an integer id (then every label is a name), else the largest id."""
@@ -246,7 +247,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
-def normalise(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     """Keep id/text/label/target with stable ids; check columns and labels."""
     d, task = cfg.data, cfg.model.task
     target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
@@ -282,7 +283,7 @@ def _carve(df: pd.DataFrame, size: int | float, seed: int, what: str) -> tuple[p
     return perm.iloc[n:].sort_index(), perm.iloc[:n].sort_index()
 
 
-def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     sp = cfg.data.split
     if sp.mode == "shuffle_concat":
         order = [s for s in ("test", "train", "validation") if s in frames]
@@ -314,7 +315,7 @@ def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
     return {k: v.reset_index(drop=True) for k, v in out.items()}
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.cfg
     frames, origin = load_source(cfg)
     splits = split(normalise(frames, cfg), cfg)

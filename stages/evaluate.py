@@ -35,7 +35,8 @@ from stages.common.losses import loss_units, summed_loss
 from stages.common.model_loading import load_trained
 from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
-from stages.engine.schema import PipelineConfig
+from stages.engine.runner import StageContext
+from stages.engine.schema import EvaluateConfig, PipelineConfig
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
 
@@ -71,7 +72,7 @@ def device_for(model: torch.nn.Module) -> torch.device:
     return torch.device("cuda")
 
 
-def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
+def generation_kwargs(e: EvaluateConfig, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
     """Greedy (num_beams 1) or beam search; length_penalty only means something with beams. Generation
     stops at the token the targets were tokenized to end with (the tokenizer's closing special)."""
     _, tail = special_affixes(tok)
@@ -180,7 +181,7 @@ def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
             "prediction_id": prediction, "reference_id": reference}
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
 
     e, task = ctx.cfg.evaluate, ctx.cfg.model.task

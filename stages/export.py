@@ -34,7 +34,8 @@ import torch
 from stages.common.compat.peft import peft_dispatch
 from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
-from stages.engine.runner import select
+from stages.engine.runner import StageContext, select
+from stages.engine.schema import PipelineConfig
 
 # the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
@@ -95,7 +96,7 @@ def save_hf(model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> None:
 # ---------------------------------------------------------------- the card
 
 
-def config_sections(cfg: Any) -> dict[str, Any]:
+def config_sections(cfg: PipelineConfig) -> dict[str, Any]:
     return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
@@ -104,7 +105,7 @@ def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def lineage(ctx: Any) -> dict[str, str]:
+def lineage(ctx: StageContext) -> dict[str, str]:
     """Keys of every stage these weights came from (data through the tokenize manifest)."""
     m = ctx.upstream_manifests
     keys = {"data": m["tokenize"].get("upstream", {}).get("data", {}).get("key")}
@@ -162,7 +163,7 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
 # ---------------------------------------------------------------- the stage
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     cfg, x = ctx.cfg, ctx.cfg.export
     model_dir, train_dir = ctx.upstream["model"], ctx.upstream["train"]
     tok_dir = ctx.upstream["tokenize"] / "tokenizer"

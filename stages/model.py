@@ -34,6 +34,7 @@ from stages.common.model_loading import (
     meta_and_plan,
     quiet_transformers,
 )
+from stages.engine.runner import StageContext
 from stages.engine.units import human_bytes
 
 # ---------------------------------------------------------------- measuring
@@ -59,7 +60,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the stage
 
-def _set_pad_token(ctx: Any, config: Any) -> int | None:
+def _set_pad_token(ctx: StageContext, config: Any) -> int | None:
     if ctx.cfg.model.task != "seq_cls" or getattr(config, "pad_token_id", None) is not None:
         return getattr(config, "pad_token_id", None)
     try:
@@ -71,7 +72,7 @@ def _set_pad_token(ctx: Any, config: Any) -> int | None:
     return pad
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     quiet_transformers()
     m, q = ctx.cfg.model, ctx.cfg.quantization
     config = hf_config(m)

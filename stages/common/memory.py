@@ -29,6 +29,7 @@ from torch import nn
 
 from stages.common.compat.transformers import matches_modules
 from stages.engine.errors import ConfigError
+from stages.engine.schema import AdaptersConfig
 from stages.engine.units import human_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int8: 1, torch.uint8: 1}
@@ -125,7 +126,7 @@ def lora_target_modules(model: nn.Module, targets: list[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters: Any) -> Estimate:
+def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters: AdaptersConfig) -> Estimate:
     """Add LoRA weights / modules_to_save copies (or full training) and the trainable count."""
     if adapters.method == "full":
         est.trainable_params = est.total_params

@@ -26,6 +26,7 @@ from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
 from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.schema import ModelConfig, PipelineConfig, QuantizationConfig
 
 AUTO_CLASSES = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
                 "causal_lm": "AutoModelForCausalLM"}
@@ -54,7 +55,7 @@ def compute_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
-def param_dtype(m: Any, q: Any) -> torch.dtype:
+def param_dtype(m: ModelConfig, q: QuantizationConfig) -> torch.dtype:
     """dtype of the parameters that are not quantized. `auto`: fp32 unquantized (mixed precision keeps fp32
     master weights); the compute dtype when quantized (what the QLoRA recipe loads)."""
     if m.dtype != "auto":
@@ -62,7 +63,7 @@ def param_dtype(m: Any, q: Any) -> torch.dtype:
     return compute_dtype(q.compute_dtype) if q.mode != "none" else torch.float32
 
 
-def hf_config(m: Any) -> Any:
+def hf_config(m: ModelConfig) -> Any:
     """The transformers config, from model.from_config, a GGUF header, a local folder or the hub."""
     from transformers import AutoConfig
 
@@ -98,13 +99,13 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
-def meta_model(m: Any, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model's modules on the meta device: shapes and dtypes, no storage, no weights read."""
     with torch.device("meta"):
         return auto_class(m.task).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
 
 
-def meta_and_plan(m: Any, q: Any, config: Any) -> tuple[nn.Module, memory.QuantPlan]:
+def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any) -> tuple[nn.Module, memory.QuantPlan]:
     dtype = param_dtype(m, q)
     meta = meta_model(m, config, dtype)
     keep, strict = (set(), set()) if q.quantize_fp32_modules else keep_in_fp32_modules(meta)
@@ -114,7 +115,7 @@ def meta_and_plan(m: Any, q: Any, config: Any) -> tuple[nn.Module, memory.QuantP
                                   tuple(sorted(fp32)))
 
 
-def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
+def bnb_config(q: QuantizationConfig, plan: memory.QuantPlan) -> Any:
     from transformers import BitsAndBytesConfig
 
     if q.mode == "none":
@@ -127,7 +128,7 @@ def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
                               llm_int8_skip_modules=list(plan.skip))
 
 
-def model_files(cfg: Any) -> list[Path]:
+def model_files(cfg: PipelineConfig) -> list[Path]:
     """Local checkpoint files whose content is in the key (a hub model is identified by id + revision)."""
     m = cfg.model
     if m.from_config:
@@ -141,7 +142,7 @@ def model_files(cfg: Any) -> list[Path]:
         p.suffix in (".safetensors", ".json", ".bin", ".gguf") and not p.name.startswith("tokenizer")))
 
 
-def input_files(cfg: Any) -> list[Path]:
+def input_files(cfg: PipelineConfig) -> list[Path]:
     """The stage's input files: the local checkpoint, and the tokenizer a pad token id may come from."""
     return sorted(set(model_files(cfg)) | set(tokenizer_files(cfg)))
 

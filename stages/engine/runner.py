@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.fingerprint import (
@@ -67,7 +67,10 @@ class ConfigView:
 
 @dataclass
 class StageContext:
-    cfg: Any  # a ConfigView over PipelineConfig
+    """What a stage body is handed. `cfg` is typed as the PipelineConfig it reads (so `ctx.cfg.train.lr`
+    is TrainConfig.lr to a reader and a type checker); at run time it is a ConfigView over it."""
+
+    cfg: PipelineConfig
     out_dir: Path  # everything written here becomes the artifact (committed atomically)
     work_dir: Path  # scratch that survives a crash of this key (checkpoints); deleted after commit
     upstream: dict[str, Path]
@@ -156,7 +159,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
                                 f"without --only first")
     ups = {u: done[u] for u in st.upstream}
     ctx_factory = lambda out, work: StageContext(  # noqa: E731
-        cfg=ConfigView(cfg, st.reads, st.name), out_dir=out, work_dir=work,
+        cfg=cast(PipelineConfig, ConfigView(cfg, st.reads, st.name)), out_dir=out, work_dir=work,
         upstream={u: o.path for u, o in ups.items()},
         upstream_manifests={u: o.manifest for u, o in ups.items()},
         log=logging.getLogger(f"finetune.{st.name}"))
