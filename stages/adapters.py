@@ -51,14 +51,16 @@ def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: 
 def lora_config(a: AdaptersConfig, task: str) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target_modules),
+    return LoraConfig(r=a.r, lora_alpha=a.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
+                      lora_dropout=a.dropout, target_modules=list(a.target_modules),
                       modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=PEFT_TASK[task])
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total), counting packed 4-bit weights as the parameters they hold."""
-    if hasattr(model, "get_nb_trainable_parameters"):
-        return model.get_nb_trainable_parameters()
+    peft_count = getattr(model, "get_nb_trainable_parameters", None)  # a PeftModel counts its own
+    if peft_count is not None:
+        return peft_count()
     counts = [(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1), p.requires_grad)
               for p in model.parameters()]
     return sum(n for n, grad in counts if grad), sum(n for n, _ in counts)

@@ -49,7 +49,9 @@ def mirror_root(data_cfg: DataConfig) -> Path | None:
     return path if path.is_dir() else None
 
 
-def local_path(raw: str) -> Path:
+def local_path(raw: str | None) -> Path:
+    if not raw:
+        raise ConfigError("data.path: not set; give the local CSV/JSONL/Parquet file or folder to read")
     for base in (Path.cwd(), PROJECT_ROOT):
         p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
         if p.exists():
@@ -157,7 +159,7 @@ def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
 # ------------------------------------------------------------------ labels
 
 
-def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split: str) -> Any:
+def label_ids(values: pd.Series, names: list[str] | None, num_labels: int | None, split: str) -> Any:
     """Class ids of a label column: integer ids as they are, names by their position in `names`."""
     ids = pd.to_numeric(values, errors="coerce")
     if names is not None and (ids.isna() | (ids % 1 != 0)).any():  # names: id = position in data.label_names
@@ -168,6 +170,7 @@ def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split
                             f"(first: {first!r}); add them to data.label_names (or leave it null to take the "
                             f"names from the data) or fix the data")
         return ids.astype("int64").to_numpy()
+    assert num_labels is not None  # resolve_labels filled it (or refused the config)
     bad = ids.isna() | (ids < 0) | (ids >= num_labels) | (ids % 1 != 0)
     if bad.any():
         first = values[bad].tolist()[0]
@@ -253,7 +256,7 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
     out = {}
     for split, df in frames.items():
-        need = {"data.text_column": d.text_column}
+        need: dict[str, str | None] = {"data.text_column": d.text_column}
         if task == "seq_cls":
             need["data.label_column"] = d.label_column
         elif task == "seq2seq":
@@ -288,6 +291,7 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
     if sp.mode == "shuffle_concat":
         order = [s for s in ("test", "train", "validation") if s in frames]
         allrows = pd.concat([frames[s] for s in order], ignore_index=True)
+        assert sp.train is not None and sp.validation is not None and sp.test is not None  # SplitConfig checks
         need = sp.train + int(sp.validation) + int(sp.test)
         if need > len(allrows):
             raise DataError(f"data.split asks for {need} rows but the source has {len(allrows)}; lower the counts")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,10 @@ from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
 from stages.engine.runner import StageContext
 from stages.engine.schema import EvaluateConfig, PipelineConfig
+
+if TYPE_CHECKING:
+    from stages.common.model_loading import HFModel
+
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
 
@@ -52,10 +56,10 @@ def exact_cpu_kernels(model: torch.nn.Module) -> None:
     the one training used: the metrics are then those of the fp32 model the export stage merges."""
     for mod in model.modules():
         if getattr(mod, "support_avx512bf16_for_cpu", False):
-            mod.support_avx512bf16_for_cpu = False
+            setattr(mod, "support_avx512bf16_for_cpu", False)  # noqa: B010  # not an attribute nn.Module declares
 
 
-def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
+def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFModel:
     """The model this stage evaluates (eval mode): the trained model, fp32 on CPU."""
 
     model = load_trained(model_dir, adapters_dir, train_dir)
@@ -72,7 +76,7 @@ def device_for(model: torch.nn.Module) -> torch.device:
     return torch.device("cuda")
 
 
-def generation_kwargs(e: EvaluateConfig, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
+def generation_kwargs(e: EvaluateConfig, tok: Any, model: HFModel) -> dict[str, Any]:
     """Greedy (num_beams 1) or beam search; length_penalty only means something with beams. Generation
     stops at the token the targets were tokenized to end with (the tokenizer's closing special)."""
     _, tail = special_affixes(tok)
@@ -109,7 +113,7 @@ def prompt_of(input_ids: list[int], labels: list[int]) -> list[int]:
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+def generate(model: HFModel, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
              device: torch.device, decoder_only: bool, desc: str) -> tuple[list[str], list[int]]:
     """Batched generation: (decoded texts, generated token counts), in the order of `prompts`.
     Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
@@ -129,7 +133,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
                 ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
             else:
                 ids[r, :len(p)], mask[r, :len(p)] = p, 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen)
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),  # type: ignore[operator]
+                             **gen)  # (generate is GenerationMixin's, which the base class lacks)
         # decoder-only: the prompt comes back first; encoder-decoder: the decoder start token does
         new = out[:, width:] if decoder_only else out[:, 1:]
         for r, j in enumerate(idx):
@@ -208,19 +213,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
             ids = [str(x) for x in rows["id"]]
             desc = f"evaluate {split}"
             if task == "seq_cls":
-                refs = [int(x) for x in rows["labels"]]
+                refs: list[Any] = [int(x) for x in rows["labels"]]
                 preds: list[Any] = classify(model, rows, tok.pad_token_id, e.batch_size, device, desc)
-                num_labels = int(model.config.num_labels)
+                num_labels = int(model.config.num_labels)  # type: ignore[arg-type]  # a classifier's, set
                 results[split] = metrics.classification_metrics(preds, refs, num_labels, scores)
             else:
-                refs = references(ctx.upstream["data"], split, ids)
-                if refs is None and task == "causal_lm":  # plain language modelling: no targets to compare
+                found = references(ctx.upstream["data"], split, ids)
+                if found is None and task == "causal_lm":  # plain language modelling: no targets to compare
                     results[split] = {"examples": len(ids), **perplexity(model, rows, tok.pad_token_id,
                                                                          e.batch_size, device, desc)}
                     continue
-                if refs is None:
+                if found is None:
                     raise MissingInputError(f"evaluate {split}: the data has no target texts for ROUGE; set "
                                             f"data.target_column")
+                refs = found
                 prompts = rows["input_ids"] if task == "seq2seq" else [
                     prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
                 preds, counts = generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm", desc)

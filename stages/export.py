@@ -27,7 +27,7 @@ import json
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -36,6 +36,10 @@ from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
 from stages.engine.runner import StageContext, select
 from stages.engine.schema import PipelineConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
@@ -53,7 +57,7 @@ def export_adapter(trained: Path, out: Path, base_name: str) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
-def untie_if_diverged(model: torch.nn.Module) -> bool:
+def untie_if_diverged(model: PreTrainedModel) -> bool:
     """A trained lm_head (LoRA modules_to_save) no longer equals the tied input embeddings: save both,
     or a reload would tie lm_head back to the untrained embeddings."""
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
@@ -62,14 +66,14 @@ def untie_if_diverged(model: torch.nn.Module) -> bool:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if not getattr(cfg, "tie_word_embeddings", False):
         return False
-    if torch.equal(out.weight, inp.weight):
+    if torch.equal(cast(torch.Tensor, out.weight), cast(torch.Tensor, inp.weight)):
         return False
     cfg.tie_word_embeddings = False
     model.config.tie_word_embeddings = False
     return True
 
 
-def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The base (dequantized when 4/8-bit) in `dtype` with the LoRA weights merged in."""
     info = load_info(model_dir)
     base = load_model(model_dir)
@@ -86,7 +90,7 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
                     "untied_lm_head": untied}
 
 
-def save_hf(model: torch.nn.Module, tokenizer_dir: Path, out: Path) -> None:
+def save_hf(model: PreTrainedModel, tokenizer_dir: Path, out: Path) -> None:
     model.save_pretrained(str(out), safe_serialization=True)
     for f in Path(tokenizer_dir).iterdir():
         if f.is_file():

@@ -16,7 +16,7 @@ import json
 import resource
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from stages.common.model_loading import (
 from stages.engine.runner import StageContext
 from stages.engine.units import human_bytes
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
 # ---------------------------------------------------------------- measuring
 
 
@@ -44,7 +48,7 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
-def describe(model: nn.Module) -> dict[str, Any]:
+def describe(model: PreTrainedModel) -> dict[str, Any]:
     """Footprint, parameters by dtype, layers by type (the Linear family) of a loaded model."""
     by_dtype: Counter[str] = Counter()
     for p in model.parameters():
@@ -100,7 +104,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if m.from_config:
             model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
         else:
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=torch.float32,
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+                                        dtype=torch.float32,
                                         **kwargs, **common)
             clear_gguf_quantizer(model)
         if qconfig is not None or plan.dtype != torch.float32:
@@ -111,7 +116,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 model = cls.from_pretrained(base, dtype=plan.dtype, quantization_config=qconfig, **common)
     else:
         with fp32_modules_quantized(cls, q.quantize_fp32_modules):
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=plan.dtype,
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+                                        dtype=plan.dtype,
                                         quantization_config=qconfig, **kwargs, **common)
     load_s = time.perf_counter() - t0
 

@@ -8,7 +8,7 @@ records token-length stats per split (mean, p50, p95, max, share truncated).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,8 +57,9 @@ def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str] | 
     limit = (t.max_target_length or t.max_length) - len(eos)
     if targets and isinstance(targets[0], str):
         targets = tok(targets, add_special_tokens=False)["input_ids"]
+    target_ids = cast(list[list[int]], targets)
     ids, labels = [], []
-    for p, y in zip(prompts, targets, strict=True):
+    for p, y in zip(prompts, target_ids, strict=True):
         p = p[: len(p) - len(tail)] if tail else p
         y = y[: max(limit, 1)] + eos
         p = p[: max(t.max_length - len(y), 1)]

@@ -53,8 +53,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module, log: logging.Logger) -
         else:
             log.warning("train.gradient_checkpointing: %s does not support it; ignored", type(model).__name__)
             return
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
 
 
 def upcast_trainable(model: torch.nn.Module, log: logging.Logger) -> None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def launch_command(payload: Path, num_processes: int, port: int, config_file: Pa
 
 def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path, log: logging.Logger, *,
            port: int | None = None, config_file: str | Path | None = None, what: str = "train",
-           pythonpath: list[str] = ()) -> Any:
+           pythonpath: Sequence[str] = ()) -> Any:
     """Call `target` ("module:function") with `args` in each of `num_processes` processes; return rank 0's
     result. `config_file`: an `accelerate config` file (DDP); `what` names the stage in error messages;
     `pythonpath` is prepended for the processes."""

@@ -148,6 +148,7 @@ class BestKeeper:
             progress.evals_since_best += 1
         if progress.evals_since_best >= self.early.patience:
             b = progress.best
+            assert b is not None  # set at the first evaluation
             progress.stopped = (f"early stopping at step {progress.step}: {metric} did not improve by more than "
                                 f"{self.early.min_delta:g} for {self.early.patience} evaluations (best {b['value']:.4g} "
                                 f"at step {b['step']})")

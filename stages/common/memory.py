@@ -142,8 +142,8 @@ def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters:
     if adapters.bias == "all":
         biases = sum(p.numel() for n, p in meta.named_parameters() if n.endswith(".bias"))
     elif adapters.bias == "lora_only":
-        biases = sum(meta.get_submodule(n).bias.numel() for n in lora_target_modules(meta, adapters.target_modules)
-                     if getattr(meta.get_submodule(n), "bias", None) is not None)
+        biases = sum(b.numel() for n in lora_target_modules(meta, adapters.target_modules)
+                     if (b := getattr(meta.get_submodule(n), "bias", None)) is not None)
     # prepare_model_for_kbit_training casts every 16-bit parameter of a quantized model to fp32
     upcast = 0
     if plan.mode != "none" and plan.dtype != torch.float32:
@@ -160,10 +160,10 @@ def activation_bytes(config: Any, micro_batch: int, length: int, target_length: 
     """A rough activation term: about 16 hidden-sized values per token and layer kept for backward
     (attention scores, heads x length per token, on top), one layer's worth plus layer inputs with
     gradient checkpointing; fp32 logits and their gradient. Good to a factor of two, no better."""
-    h = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", 1)
+    h: int = getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0)
+    layers: int = getattr(config, "num_hidden_layers", 0) or getattr(config, "num_layers", 1)
     layers += getattr(config, "num_decoder_layers", 0) or 0
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", 1)
+    heads: int = getattr(config, "num_attention_heads", 0) or getattr(config, "num_heads", 1)
     vocab = getattr(config, "vocab_size", 0)
     s = length + (target_length or 0)
     per_layer = micro_batch * s * (16 * h + 2 * heads * s) * compute_bytes

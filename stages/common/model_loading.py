@@ -10,10 +10,9 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-from torch import nn
 
 from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
@@ -27,6 +26,14 @@ from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import ModelConfig, PipelineConfig, QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    # what the stages load and save: a transformers model, or a PeftModel, which forwards every attribute to
+    # its base model (typed as that model)
+    HFModel: TypeAlias = PreTrainedModel
+
 
 AUTO_CLASSES = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
                 "causal_lm": "AutoModelForCausalLM"}
@@ -99,13 +106,13 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
-def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model's modules on the meta device: shapes and dtypes, no storage, no weights read."""
     with torch.device("meta"):
         return auto_class(m.task).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
 
 
-def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any) -> tuple[nn.Module, memory.QuantPlan]:
+def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any) -> tuple[PreTrainedModel, memory.QuantPlan]:
     dtype = param_dtype(m, q)
     meta = meta_model(m, config, dtype)
     keep, strict = (set(), set()) if q.quantize_fp32_modules else keep_in_fp32_modules(meta)
@@ -200,7 +207,7 @@ def load_model(model_dir: Path) -> Any:
 # ---------------------------------------------------------------- the model through the chain
 
 
-def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> nn.Module:
+def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> HFModel:
     """The model ready to train: the `model` artifact (load_model), prepare_model_for_kbit_training when
     quantized, then the initial LoRA adapter loaded trainable (modules_to_save included), or for `full`
     every parameter requiring grad. `gradient_checkpointing` only reaches prepare_model_for_kbit_training
@@ -223,7 +230,7 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
         return peft.PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
 
 
-def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
+def save_trained(model: HFModel, folder: Path, model_dir: Path) -> None:
     """LoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json, modules_to_save included);
     full: the whole model's save_pretrained (safetensors) plus the model stage's load info, so
     `load_model` reads it like a model artifact."""
@@ -233,7 +240,7 @@ def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
         shutil.copy2(hf_dir(model_dir) / LOAD_INFO, folder / LOAD_INFO)
 
 
-def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
+def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFModel:
     """The trained model for the evaluate/export stages (eval mode): the model stage's base with the
     trained LoRA adapter, or the trained full model. `adapters_dir` is accepted for symmetry with
     load_trainable (the trained adapter carries its own config)."""

@@ -99,7 +99,7 @@ def override_strings(overrides: list[str] | dict[str, Any] | None) -> list[str]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+    def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -181,8 +181,11 @@ def validate_sweep(name: str, body: dict, where: str, doc: dict | None = None) -
 def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:
     """The pipeline and the pipelines it extends, nearest first."""
     pipes = doc["pipelines"]
-    chain, seen = [], set()
-    while name is not None:
+    chain: list[tuple[str, dict]] = []
+    seen: set[str] = set()
+    current: str | None = name
+    while current is not None:
+        name = current
         if name in seen:
             raise ConfigError(f"pipelines.{name}.extends: cycle through {sorted(seen)}; break the loop")
         seen.add(name)
@@ -193,7 +196,7 @@ def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:
         if not isinstance(body, dict):
             raise ConfigError(f"pipelines.{name}: must be a mapping of sections, got {type(body).__name__}")
         chain.append((name, body))
-        name = body.get("extends")
+        current = body.get("extends")
     return chain
 
 
@@ -277,7 +280,7 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     model: Any = PipelineConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             return None
         ann = field.annotation

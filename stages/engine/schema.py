@@ -268,7 +268,8 @@ class TrainConfig(Section):
 
 class EvaluateConfig(Section):
     splits: list[Literal["train", "validation", "test"]] = Field(
-        default_factory=lambda: ["test"], min_length=1, description="splits to evaluate, each in metrics.json")
+        default_factory=lambda: ["test"],  # type: ignore[arg-type]  # mypy reads ["test"] as list[str]
+        min_length=1, description="splits to evaluate, each in metrics.json")
     batch_size: int = Field(8, ge=1, description="rows per forward / generate call (in the key: padding and "
                             "batched beam search can change generated text at float precision)")
     max_examples: int | None = Field(None, ge=1, description="evaluate only the first N rows of each split")
