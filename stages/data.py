@@ -29,7 +29,6 @@ from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.runner import StageContext
 from stages.engine.schema import DataConfig, PipelineConfig
 
-SPLITS = ("train", "validation", "test")
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")

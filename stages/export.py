@@ -16,9 +16,10 @@ card names the evaluate command instead. For the same reason the card prints eve
 the weights (all of them declared in the stage's reads, so the key covers what is printed) but not
 `evaluate`.
 
-The card's `--set` list is the run's own `--set` list less the evaluation and runtime settings
-(`PipelineConfig.weight_overrides`, in the key). pipeline.yaml is not read (any edit of any pipeline would
-re-export), so after an edit of that pipeline the command can be stale; config.json is always exact.
+The card's `--set` list is the run's own `--set` list less the evaluation and runtime settings: the
+`overrides` this stage reads are those of the sections it reads (the engine filters them), in the key.
+pipeline.yaml is not read (any edit of any pipeline would re-export), so after an edit of that pipeline
+the command can be stale; config.json is always exact.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
-    sets = list(cfg.weight_overrides)  # the run's own --set list (evaluation and runtime settings dropped)
+    sets = list(cfg.overrides)  # the run's own --set options of the sections the card shows (runtime ones dropped)
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
     (ctx.out_dir / "config.json").write_text(json.dumps({"name": cfg.name, **sections}, indent=2, sort_keys=True))
     (ctx.out_dir / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, files, sets, facts))

@@ -79,8 +79,9 @@ STAGES: list[Stage] = [
         name="export",
         body=export_stage.run,
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
-        # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export.
-        reads=("name", "description", "weight_overrides", *export_stage.CARD_SECTIONS),
+        # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export; and
+        # `overrides` are then the --set options of these sections (the card's reproduce command).
+        reads=("name", "description", "overrides", *export_stage.CARD_SECTIONS),
         upstream=("tokenize", "model", "adapters", "train"),  # tokenize: the tokenizer shipped with the model
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),

@@ -57,6 +57,8 @@ class ConfigView:
         if name.startswith("_"):
             raise AttributeError(name)
         path = f"{self._prefix}{name}"
+        if path == "overrides" and path in self._reads:
+            return self._obj.overrides_within(self._reads)
         if any(path == r or path.startswith(r + ".") for r in self._reads):
             return getattr(self._obj, name)
         if any(r.startswith(path + ".") for r in self._reads):
@@ -76,6 +78,12 @@ class StageContext:
     upstream: dict[str, Path]
     upstream_manifests: dict[str, dict[str, Any]]
     log: logging.Logger
+
+
+def stage_params(cfg: PipelineConfig, reads: tuple[str, ...]) -> dict[str, Any]:
+    """The values of the config fields a stage reads, as its key records them (`overrides`: those of the
+    fields it reads, as ConfigView shows them)."""
+    return {r: cfg.overrides_within(reads) if r == "overrides" else select(cfg, r) for r in reads}
 
 
 def select(cfg: PipelineConfig, path: str) -> Any:
@@ -108,7 +116,7 @@ def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = 
         code, objects = remembered_code_fingerprint(code_roots(st), hashes)
         sk = StageKey(
             stage=st.name,
-            params={r: select(cfg, r) for r in st.reads},
+            params=stage_params(cfg, st.reads),
             upstream={u: keys[u].key for u in st.upstream},
             inputs={**inputs_digest(st.inputs(cfg), hashes), **st.deps(cfg)},
             code=code,
@@ -167,7 +175,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
         st.precheck(cfg)
     outcome = store.run(
         sk, lambda out, work: st.body(ctx_factory(out, work)), pipeline=cfg.name,
-        config={r: select(cfg, r) for r in st.reads},
+        config=stage_params(cfg, st.reads),
         upstream_digests={u: o.manifest["digest"] for u, o in ups.items()},
         force=force, verify=verify)
     store.set_ref(cfg.name, st.name, sk.key)

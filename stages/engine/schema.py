@@ -5,9 +5,11 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
@@ -17,6 +19,12 @@ def runtime(default: Any = None, **kw: Any) -> Any:
     return Field(default, json_schema_extra={"runtime": True}, **kw)
 
 
+def is_runtime(field: FieldInfo) -> bool:
+    """A field made with `runtime(...)`: it does not change outputs, so it stays out of cache keys."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("runtime"))
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -24,8 +32,7 @@ class Section(BaseModel):
         """The fields that change outputs, as JSON-able data (runtime fields dropped)."""
         out = {}
         for name, field in type(self).model_fields.items():
-            extra = field.json_schema_extra or {}
-            if isinstance(extra, dict) and extra.get("runtime"):
+            if is_runtime(field):
                 continue
             value = getattr(self, name)
             out[name] = value.cache_dict() if isinstance(value, Section) else _jsonable(value)
@@ -309,26 +316,25 @@ class PipelineConfig(BaseModel):
     evaluate: EvaluateConfig = Field(EvaluateConfig(), description="the evaluate stage")
     export: ExportConfig = Field(ExportConfig(), description="the export stage")
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
-                                 "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
-                                 "card's reproduce command repeats them")
+                                 "loaded with, as given (set by the loader, never in pipeline.yaml); a stage that "
+                                 "reads them sees those of the fields it reads")
 
-    @property
-    def weight_overrides(self) -> list[str]:
-        """The overrides that can change the trained weights or their export: those of `evaluate` and of
-        runtime fields dropped. The export card repeats these, so an evaluation setting never re-exports."""
-        return [o for o in self.overrides if _shapes_weights(o.split("=", 1)[0].strip().split("."))]
+    def overrides_within(self, reads: Iterable[str]) -> list[str]:
+        """The `--set` overrides that set a keyed (not runtime) field under one of the dotted paths `reads`:
+        what a stage that reads `overrides` sees and is keyed on."""
+        reads = [r for r in reads if r != "overrides"]
+        return [o for o in self.overrides if _keyed_within(o.split("=", 1)[0].strip(), reads)]
 
 
-def _shapes_weights(path: list[str]) -> bool:
-    model: Any = PipelineConfig
-    if path[0] == "evaluate":
+def _keyed_within(path: str, reads: list[str]) -> bool:
+    if not any(path == r or path.startswith(r + ".") for r in reads):
         return False
-    for part in path:
+    model: Any = PipelineConfig
+    for part in path.split("."):
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return True  # unknown to the schema: validation already refused it; keep rather than guess
-        extra = field.json_schema_extra or {}
-        if isinstance(extra, dict) and extra.get("runtime"):
+        if is_runtime(field):
             return False
         model = field.annotation
     return True
