@@ -69,10 +69,10 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         from prefect.deployments import run_deployment
 
         default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
-        fr = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
+        fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
                             flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None)
         return _outcome(run, fr.name, fr.state, None)
-    parent = TaskRunContext.get().task_run.id
+    parent = TaskRunContext.get().task_run.id  # type: ignore[union-attr]  # called inside a task
     with get_client(sync_client=True) as client:
         wait_for_task_run(client, parent)
         child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
@@ -131,7 +131,8 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
 
 def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
     """Keep `parallel` child runs going until every run has finished: (their summaries, the failures)."""
-    pending, active, results, failed = list(sw.runs), {}, [], []
+    pending, results, failed = list(sw.runs), [], []
+    active: dict[Any, Any] = {}
     while pending or active:
         while pending and len(active) < max(1, parallel):
             run = pending.pop(0)
