@@ -27,8 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stages import model as model_stage  # noqa: E402
-from stages.common import memory, models  # noqa: E402
+from stages.common import memory, model_loading  # noqa: E402
+from stages.common.compat.bitsandbytes import quant_state_bytes  # noqa: E402
+from stages.common.compat.transformers import fp32_modules_quantized  # noqa: E402
 from stages.engine.schema import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
 
 # T5 v1.0 3B (the t5-3b config on the hub, written out): relu FFN, tied embeddings.
@@ -80,15 +81,15 @@ def random_checkpoint(out: Path, config: Any) -> tuple[Path, float]:
 
 
 def estimate(m: ModelConfig, q: QuantizationConfig, a: AdaptersConfig, config: Any) -> memory.Estimate:
-    meta, plan = models.meta_and_plan(m, q, config)
+    meta, plan = model_loading.meta_and_plan(m, q, config)
     return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
 
 
 def load(ckpt: Path, m: ModelConfig, q: QuantizationConfig, config: Any) -> Any:
-    meta, plan = models.meta_and_plan(m, q, config)
+    meta, plan = model_loading.meta_and_plan(m, q, config)
     cls = type(meta)
-    with models.fp32_modules_quantized(cls, q.quantize_fp32_modules):
-        return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=models.bnb_config(q, plan))
+    with fp32_modules_quantized(cls, q.quantize_fp32_modules):
+        return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=model_loading.bnb_config(q, plan))
 
 
 def attach_lora(model: Any) -> Any:
@@ -109,7 +110,7 @@ def row(name: str, model: Any, est_bytes: int, t: float, trains: bool = True, **
     trainable = trainable if trains else None
     footprint = int(model.get_memory_footprint())
     r = {"row": name, "footprint": footprint, "estimate": est_bytes, "est_vs_measured": est_bytes / footprint,
-         "total_params": total, "trainable_params": trainable, "quant_state": model_stage.quant_state_bytes(model),
+         "total_params": total, "trainable_params": trainable, "quant_state": quant_state_bytes(model),
          "seconds": round(time.perf_counter() - t, 1), "rss_gb": round(rss_gb(), 2), **extra}
     print(f"  measured {name}: {footprint:,} B in {r['seconds']} s (RSS {r['rss_gb']} GB)", flush=True)
     return r
@@ -134,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out", help="cache and results folder")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    models.quiet_transformers()
+    model_loading.quiet_transformers()
     t_all = time.perf_counter()
-    config = models.hf_config(MODEL)
+    config = model_loading.hf_config(MODEL)
     ckpt, built_s = random_checkpoint(args.out, config)
     how = f"built in {built_s:.0f} s" if built_s else "cached"
     print(f"random t5-3b checkpoint: {ckpt} ({how})", flush=True)

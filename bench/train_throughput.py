@@ -237,8 +237,7 @@ def clocks() -> tuple[float, float]:
 def run_bare(make_model, tok, texts, labels, device: torch.device) -> dict:
     import torch.nn.functional as F
 
-    from stages.common.batching import epoch_batches
-    from stages.common.splits import Rows
+    from stages.common.batching import Rows, epoch_batches
 
     cfg = stage_config()
     rows = Rows(stage_rows(tok, texts, labels))

@@ -3,7 +3,7 @@
 (`adapter/`, seeded by adapters.init_seed); `full` makes every parameter trainable (the BLOOM article)
 and saves only `adapters.json`. Manifest: trainable / total / percent.
 
-`stages.common.models.load_trainable` reads this artifact for the train stage: the model ready to train.
+`stages.common.model_loading.load_trainable` reads this artifact for the train stage: the model ready to train.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from stages.common import memory
-from stages.common.models import ADAPTERS_INFO, load_info, load_model, peft_dispatch
+from stages.common.compat.peft import peft_dispatch
+from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
+from stages.engine.runner import StageContext
+from stages.engine.schema import AdaptersConfig
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
 
@@ -45,17 +48,19 @@ def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: 
         raise ConfigError("; ".join(problems))
 
 
-def lora_config(a: Any, task: str) -> Any:
+def lora_config(a: AdaptersConfig, task: str) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=list(a.target_modules),
+    return LoraConfig(r=a.r, lora_alpha=a.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
+                      lora_dropout=a.dropout, target_modules=list(a.target_modules),
                       modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=PEFT_TASK[task])
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total), counting packed 4-bit weights as the parameters they hold."""
-    if hasattr(model, "get_nb_trainable_parameters"):
-        return model.get_nb_trainable_parameters()
+    peft_count = getattr(model, "get_nb_trainable_parameters", None)  # a PeftModel counts its own
+    if peft_count is not None:
+        return peft_count()
     counts = [(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1), p.requires_grad)
               for p in model.parameters()]
     return sum(n for n, grad in counts if grad), sum(n for n, _ in counts)
@@ -67,7 +72,7 @@ def lora_module_names(model: nn.Module) -> list[str]:
     return [n.removeprefix("base_model.model.") for n in names]
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     a = ctx.cfg.adapters
     model_dir = ctx.upstream["model"]
     info = load_info(model_dir)

@@ -28,9 +28,9 @@ from stages.common.arrow import write_arrow
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.schema import PipelineConfig
+from stages.engine.runner import StageContext
+from stages.engine.schema import DataConfig, PipelineConfig
 
-SPLITS = ("train", "validation", "test")
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
@@ -40,7 +40,7 @@ IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 i
 # ------------------------------------------------------------------ where the data comes from
 
 
-def mirror_root(data_cfg: Any) -> Path | None:
+def mirror_root(data_cfg: DataConfig) -> Path | None:
     raw = os.environ.get("FINETUNE_DATA_MIRROR") or data_cfg.mirror
     if not raw:
         return None
@@ -50,7 +50,9 @@ def mirror_root(data_cfg: Any) -> Path | None:
     return path if path.is_dir() else None
 
 
-def local_path(raw: str) -> Path:
+def local_path(raw: str | None) -> Path:
+    if not raw:
+        raise ConfigError("data.path: not set; give the local CSV/JSONL/Parquet file or folder to read")
     for base in (Path.cwd(), PROJECT_ROOT):
         p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
         if p.exists():
@@ -59,7 +61,7 @@ def local_path(raw: str) -> Path:
                             f"a folder of split files, or an aclImdb folder/tarball")
 
 
-def mirror_files(data_cfg: Any) -> list[Path]:
+def mirror_files(data_cfg: DataConfig) -> list[Path]:
     root = mirror_root(data_cfg)
     if root is None:
         return []
@@ -126,7 +128,7 @@ def _read_local(path: Path) -> dict[str, pd.DataFrame]:
     return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
 
 
-def _read_hub(cfg: Any) -> dict[str, pd.DataFrame]:
+def _read_hub(cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     hub_id = cfg.data.hub_id or HUB_IDS[cfg.data.source]
     ensure_hub_reachable(
         f"dataset {hub_id}",
@@ -142,7 +144,7 @@ def _read_hub(cfg: Any) -> dict[str, pd.DataFrame]:
     return frames
 
 
-def load_source(cfg: Any) -> tuple[dict[str, pd.DataFrame], str]:
+def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
     if cfg.data.source == "local" or cfg.data.path:
         path = local_path(cfg.data.path)
         return _read_local(path), f"local:{path}"
@@ -160,7 +162,7 @@ def load_source(cfg: Any) -> tuple[dict[str, pd.DataFrame], str]:
 # ------------------------------------------------------------------ labels
 
 
-def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split: str) -> Any:
+def label_ids(values: pd.Series, names: list[str] | None, num_labels: int | None, split: str) -> Any:
     """Class ids of a label column: integer ids as they are, names by their position in `names`."""
     ids = pd.to_numeric(values, errors="coerce")
     if names is not None and (ids.isna() | (ids % 1 != 0)).any():  # names: id = position in data.label_names
@@ -171,6 +173,7 @@ def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split
                             f"(first: {first!r}); add them to data.label_names (or leave it null to take the "
                             f"names from the data) or fix the data")
         return ids.astype("int64").to_numpy()
+    assert num_labels is not None  # resolve_labels filled it (or refused the config)
     bad = ids.isna() | (ids < 0) | (ids >= num_labels) | (ids % 1 != 0)
     if bad.any():
         first = values[bad].tolist()[0]
@@ -253,7 +256,7 @@ def _label_columns(d: Any) -> list[tuple[Path, LabelColumn]]:
     return out
 
 
-def found_labels(cfg: Any) -> tuple[list[str] | None, int | None]:
+def found_labels(cfg: PipelineConfig) -> tuple[list[str] | None, int | None]:
     """(names, largest integer id) of the labels the data stage will read, without running it: IMDB and
     aclImdb name theirs neg/pos; local files are read (their label column only, when the format allows).
     Names when any label is not an integer id (then every label is a name), else the largest id."""
@@ -321,13 +324,13 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
-def normalise(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     """Keep id/text/label/target with stable ids; check columns and labels."""
     d, task = cfg.data, cfg.model.task
     target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
     out = {}
     for split, df in frames.items():
-        need = {"data.text_column": d.text_column}
+        need: dict[str, str | None] = {"data.text_column": d.text_column}
         if task == "seq_cls":
             need["data.label_column"] = d.label_column
         elif task == "seq2seq":
@@ -357,11 +360,12 @@ def _carve(df: pd.DataFrame, size: int | float, seed: int, what: str) -> tuple[p
     return perm.iloc[n:].sort_index(), perm.iloc[:n].sort_index()
 
 
-def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
+def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     sp = cfg.data.split
     if sp.mode == "shuffle_concat":
         order = [s for s in ("test", "train", "validation") if s in frames]
         allrows = pd.concat([frames[s] for s in order], ignore_index=True)
+        assert sp.train is not None and sp.validation is not None and sp.test is not None  # SplitConfig checks
         need = sp.train + int(sp.validation) + int(sp.test)
         if need > len(allrows):
             raise DataError(f"data.split asks for {need} rows but the source has {len(allrows)}; lower the counts")
@@ -389,7 +393,7 @@ def split(frames: dict[str, pd.DataFrame], cfg: Any) -> dict[str, pd.DataFrame]:
     return {k: v.reset_index(drop=True) for k, v in out.items()}
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     cfg = ctx.cfg
     frames, origin = load_source(cfg)
     splits = split(normalise(frames, cfg), cfg)

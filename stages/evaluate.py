@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,9 +33,14 @@ from stages.common.batching import collate
 from stages.common.hf import load_tokenizer
 from stages.common.inference import batches, class_logits, device_for, generation_kwargs, prompt_of
 from stages.common.losses import loss_units, summed_loss
-from stages.common.models import load_trained
+from stages.common.model_loading import load_trained
 from stages.engine.errors import MissingInputError
+from stages.engine.runner import StageContext
 from stages.engine.schema import PipelineConfig
+
+if TYPE_CHECKING:
+    from stages.common.model_loading import HFModel
+
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
 
@@ -51,10 +56,10 @@ def exact_cpu_kernels(model: torch.nn.Module) -> None:
     the one training used: the metrics are then those of the fp32 model the export stage merges."""
     for mod in model.modules():
         if getattr(mod, "support_avx512bf16_for_cpu", False):
-            mod.support_avx512bf16_for_cpu = False
+            setattr(mod, "support_avx512bf16_for_cpu", False)  # noqa: B010  # not an attribute nn.Module declares
 
 
-def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
+def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFModel:
     """The model this stage evaluates (eval mode): the trained model, fp32 on CPU."""
 
     model = load_trained(model_dir, adapters_dir, train_dir)
@@ -115,7 +120,7 @@ def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
             "prediction_id": prediction, "reference_id": reference}
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
 
     e, task = ctx.cfg.evaluate, ctx.cfg.model.task
@@ -142,19 +147,20 @@ def run(ctx: Any) -> dict[str, Any]:
             ids = [str(x) for x in rows["id"]]
             desc = f"evaluate {split}"
             if task == "seq_cls":
-                refs = [int(x) for x in rows["labels"]]
+                refs: list[Any] = [int(x) for x in rows["labels"]]
                 preds: list[Any] = classify(model, rows, tok.pad_token_id, e.batch_size, device, desc)
-                num_labels = int(model.config.num_labels)
+                num_labels = int(model.config.num_labels)  # type: ignore[arg-type]  # a classifier's, set
                 results[split] = metrics.classification_metrics(preds, refs, num_labels, scores)
             else:
-                refs = references(ctx.upstream["data"], split, ids)
-                if refs is None and task == "causal_lm":  # plain language modelling: no targets to compare
+                found = references(ctx.upstream["data"], split, ids)
+                if found is None and task == "causal_lm":  # plain language modelling: no targets to compare
                     results[split] = {"examples": len(ids), **perplexity(model, rows, tok.pad_token_id,
                                                                          e.batch_size, device, desc)}
                     continue
-                if refs is None:
+                if found is None:
                     raise MissingInputError(f"evaluate {split}: the data has no target texts for ROUGE; set "
                                             f"data.target_column")
+                refs = found
                 prompts = rows["input_ids"] if task == "seq2seq" else [
                     prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
                 preds, counts = generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm", desc)

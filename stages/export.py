@@ -17,7 +17,7 @@ commands that reproduce and re-evaluate it.
 
 Export is downstream of evaluate: the card carries its metrics and generation_config.json its settings, so a
 change of an evaluation setting re-exports (re-merges) unchanged weights; the card is then never behind.
-The card's `--set` list is the run's own less its runtime settings (`PipelineConfig.result_overrides`, in the
+The card's `--set` list is the run's own less its runtime settings (the `overrides` this stage reads: the engine drops runtime ones; in the
 key); pipeline.yaml is not read (any edit of any pipeline would re-export): the commands name the shipped
 finetune_pipeline.yaml, which holds every in-key setting that differs from the schema's defaults.
 """
@@ -28,16 +28,22 @@ import json
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from stages.common.compat.peft import peft_dispatch
 from stages.common.hf import load_tokenizer, split_gguf
 from stages.common.inference import generation_kwargs
-from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, load_trained, peft_dispatch
+from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, load_trained
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
-from stages.engine.runner import select
+from stages.engine.runner import StageContext, select
+from stages.engine.schema import PipelineConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
@@ -98,7 +104,7 @@ def export_adapter(trained: Path, out: Path, base_name: str, revision: str | Non
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
-def untie_if_diverged(model: torch.nn.Module) -> bool:
+def untie_if_diverged(model: PreTrainedModel) -> bool:
     """A trained lm_head (LoRA modules_to_save) no longer equals the tied input embeddings: save both,
     or a reload would tie lm_head back to the untrained embeddings."""
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
@@ -107,14 +113,14 @@ def untie_if_diverged(model: torch.nn.Module) -> bool:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if not getattr(cfg, "tie_word_embeddings", False):
         return False
-    if torch.equal(out.weight, inp.weight):
+    if torch.equal(cast(torch.Tensor, out.weight), cast(torch.Tensor, inp.weight)):
         return False
     cfg.tie_word_embeddings = False
     model.config.tie_word_embeddings = False
     return True
 
 
-def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, Any]]:
+def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, dict[str, Any]]:
     """The base (dequantized when 4/8-bit) in `dtype` with the LoRA weights merged in."""
     info = load_info(model_dir)
     base = load_model(model_dir)
@@ -166,7 +172,7 @@ def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: str) -> Any:
     return tok
 
 
-def save_hf(model: torch.nn.Module, out: Path, gen: Any) -> None:
+def save_hf(model: PreTrainedModel, out: Path, gen: Any) -> None:
     if gen is not None:
         model.generation_config = gen
     model.save_pretrained(str(out), safe_serialization=True)
@@ -175,7 +181,7 @@ def save_hf(model: torch.nn.Module, out: Path, gen: Any) -> None:
 # ---------------------------------------------------------------- the card
 
 
-def config_sections(cfg: Any) -> dict[str, Any]:
+def config_sections(cfg: PipelineConfig) -> dict[str, Any]:
     return {s: select(cfg, s) for s in CARD_SECTIONS}
 
 
@@ -207,7 +213,7 @@ def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def lineage(ctx: Any) -> dict[str, str]:
+def lineage(ctx: StageContext) -> dict[str, str]:
     """Keys of every stage these weights came from (data through the tokenize manifest)."""
     m = ctx.upstream_manifests
     keys = {"data": m["tokenize"].get("upstream", {}).get("data", {}).get("key")}
@@ -352,7 +358,7 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
 # ---------------------------------------------------------------- the stage
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     import yaml
 
     cfg, x, out = ctx.cfg, ctx.cfg.export, ctx.out_dir
@@ -396,7 +402,7 @@ def run(ctx: Any) -> dict[str, Any]:
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
-    sets = list(cfg.result_overrides)  # the run's own --set list (runtime settings dropped)
+    sets = list(cfg.overrides)  # the run's own --set options of the sections the card shows (runtime ones dropped)
     evaluated = scores(ctx.upstream_manifests["evaluate"].get("metrics", {}))
     train_metrics = ctx.upstream_manifests["train"].get("metrics", {})
     (out / PIPELINE_JSON).write_text(json.dumps({"name": cfg.name, "description": cfg.description, **sections},

@@ -14,10 +14,10 @@ from stages import adapters, data, model, tokenize, train
 from stages import evaluate as evaluate_stage
 from stages import export as export_stage
 from stages.common import distributed
-from stages.common.fit import check_pipeline_fits
 from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
 from stages.common.metrics import validation_metric_files
-from stages.common.models import input_files as model_input_files
+from stages.common.model_loading import input_files as model_input_files
+from stages.common.pipeline_memory import check_pipeline_fits
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.remote_store import open_store
@@ -88,8 +88,9 @@ STAGES: list[Stage] = [
         name="export",
         body=export_stage.run,
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
-        # Downstream of evaluate: the card carries its metrics, generation_config.json its settings.
-        reads=("name", "description", "result_overrides", *export_stage.CARD_SECTIONS),
+        # Downstream of evaluate: the card carries its metrics, generation_config.json its settings; `overrides`
+        # are the --set options of these sections (the card's reproduce command), runtime ones dropped.
+        reads=("name", "description", "overrides", *export_stage.CARD_SECTIONS),
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),

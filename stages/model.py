@@ -12,29 +12,34 @@ keeps in fp32 (T5's `wo`) stay fp32 unless `quantization.quantize_fp32_modules`.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import resource
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from stages.common import memory
+from stages.common.compat.bitsandbytes import quant_state_bytes
+from stages.common.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
 from stages.common.hf import load_tokenizer, split_gguf
-from stages.common.models import (
+from stages.common.model_loading import (
     LOAD_INFO,
     auto_class,
     bnb_config,
     compute_dtype,
-    fp32_modules_quantized,
     hf_config,
     meta_and_plan,
     quiet_transformers,
 )
+from stages.engine.runner import StageContext
 from stages.engine.units import human_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 # ---------------------------------------------------------------- measuring
 
@@ -43,25 +48,7 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
-def quant_state_bytes(model: nn.Module) -> int:
-    """bitsandbytes' scales, which get_memory_footprint does not count (they are not parameters)."""
-    total = 0
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        qs = getattr(w, "quant_state", None)
-        if qs is not None:
-            total += qs.absmax.numel() * qs.absmax.element_size()
-            if getattr(qs, "state2", None) is not None:
-                s2 = qs.state2
-                total += s2.absmax.numel() * s2.absmax.element_size() + s2.code.numel() * s2.code.element_size()
-                total += qs.offset.numel() * qs.offset.element_size() if qs.offset is not None else 0
-        scb = getattr(w, "SCB", None)
-        if scb is not None and not any(scb is b for b in mod.buffers()):
-            total += scb.numel() * scb.element_size()
-    return total
-
-
-def describe(model: nn.Module) -> dict[str, Any]:
+def describe(model: PreTrainedModel) -> dict[str, Any]:
     """Footprint, parameters by dtype, layers by type (the Linear family) of a loaded model."""
     by_dtype: Counter[str] = Counter()
     for p in model.parameters():
@@ -77,16 +64,7 @@ def describe(model: nn.Module) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the stage
 
-def _clear_gguf_marker(model: Any) -> None:
-    """A GGUF load leaves a quantizer that refuses save_pretrained; the weights are plain fp32 tensors."""
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    for attr in ("quantization_method", "is_quantized"):
-        with contextlib.suppress(AttributeError):
-            model.__dict__.pop(attr, None)
-
-
-def _set_pad_token(ctx: Any, config: Any) -> int | None:
+def _set_pad_token(ctx: StageContext, config: Any) -> int | None:
     if ctx.cfg.model.task != "seq_cls" or getattr(config, "pad_token_id", None) is not None:
         return getattr(config, "pad_token_id", None)
     try:
@@ -98,7 +76,7 @@ def _set_pad_token(ctx: Any, config: Any) -> int | None:
     return pad
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     quiet_transformers()
     m, q = ctx.cfg.model, ctx.cfg.quantization
     config = hf_config(m)
@@ -126,9 +104,10 @@ def run(ctx: Any) -> dict[str, Any]:
         if m.from_config:
             model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
         else:
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=torch.float32,
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+                                        dtype=torch.float32,
                                         **kwargs, **common)
-            _clear_gguf_marker(model)
+            clear_gguf_quantizer(model)
         if qconfig is not None or plan.dtype != torch.float32:
             base = ctx.work_dir / "base"
             model.save_pretrained(base)
@@ -137,7 +116,8 @@ def run(ctx: Any) -> dict[str, Any]:
                 model = cls.from_pretrained(base, dtype=plan.dtype, quantization_config=qconfig, **common)
     else:
         with fp32_modules_quantized(cls, q.quantize_fp32_modules):
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None, dtype=plan.dtype,
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+                                        dtype=plan.dtype,
                                         quantization_config=qconfig, **kwargs, **common)
     load_s = time.perf_counter() - t0
 

@@ -8,7 +8,7 @@ records token-length stats per split (mean, p50, p95, max, share truncated).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -16,6 +16,8 @@ from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX
 from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.progress import iterate
+from stages.engine.runner import StageContext
+from stages.engine.schema import TokenizeConfig
 
 
 def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:
@@ -46,7 +48,7 @@ def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, 
 
 
 def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str] | list[list[int]],
-                       t: Any) -> tuple[list, list]:
+                       t: TokenizeConfig) -> tuple[list, list]:
     """Causal LM rows: prompt + target + EOS, loss on the target only. The target (cut to
     max_target_length) always fits: the prompt's head is what gets cut to make room. `targets` are
     texts, or their bare ids (bare_ids: no special tokens) when the caller already has them."""
@@ -55,8 +57,9 @@ def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str] | 
     limit = (t.max_target_length or t.max_length) - len(eos)
     if targets and isinstance(targets[0], str):
         targets = tok(targets, add_special_tokens=False)["input_ids"]
+    target_ids = cast(list[list[int]], targets)
     ids, labels = [], []
-    for p, y in zip(prompts, targets, strict=True):
+    for p, y in zip(prompts, target_ids, strict=True):
         p = p[: len(p) - len(tail)] if tail else p
         y = y[: max(limit, 1)] + eos
         p = p[: max(t.max_length - len(y), 1)]
@@ -80,7 +83,7 @@ def length_stats(lengths: list[int], limit: int | None) -> dict[str, float]:
     }
 
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
     import pyarrow as pa
     from datasets.table import InMemoryTable

@@ -48,7 +48,7 @@ import torch
 from safetensors.torch import save_file
 
 from stages.common import distributed
-from stages.common.batching import Batch, epoch_batches, shard
+from stages.common.batching import Batch, Rows, epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -67,11 +67,12 @@ from stages.common.device import (
 from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
 from stages.common.losses import loss_units, summed_loss
-from stages.common.models import load_trainable, save_trained
+from stages.common.model_loading import load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
-from stages.common.splits import Rows, evaluate_loss, validation_rows
+from stages.common.validation import evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.runner import StageContext
 from stages.engine.schema import TrainConfig
 
 TASKS = ("seq_cls", "seq2seq", "causal_lm")
@@ -79,14 +80,14 @@ TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 # ====================================================================== the stage
 
-def run(ctx: Any) -> dict[str, Any]:
+def run(ctx: StageContext) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
     if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
         return launch_training(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
     return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
 
 
-def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def train_stage(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                 log: logging.Logger) -> dict[str, Any]:
     import datasets
 
@@ -101,7 +102,7 @@ def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, 
     return result
 
 
-def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
+def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, task: str, pad_id: int,
                 out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None,
                 tokenizer: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
@@ -117,7 +118,7 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, t
 class TrainRun:
     """One training run, torchtune's recipe shape: setup here, then train(), then finish()."""
 
-    def __init__(self, model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
+    def __init__(self, model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, task: str, pad_id: int,
                  work_dir: Path, log: logging.Logger, on_step: Any = None, tokenizer: Any = None):
         if task not in TASKS:
             raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
@@ -395,7 +396,7 @@ def distributed_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def launch_training(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def launch_training(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                     log: logging.Logger) -> dict[str, Any]:
     """train.num_processes > 1: run `train_worker` in that many processes (one per GPU; gloo processes on
     a CPU-only machine) under `accelerate launch`, owned and awaited by this stage. Rank 0 writes

@@ -128,7 +128,7 @@ def stop_runner_in_background(runner: Any) -> None:
 def runner_processes(runner: Any) -> list[tuple[str, int]]:
     """RUNNER_PROCESSES: (flow run id, pid) of the runner's flow-run processes still tracked (alive or not yet
     reaped); none when the runner has no process manager (yet)."""
-    manager = getattr(runner, "_process_manager", None)
+    manager: Any = getattr(runner, "_process_manager", None)
     out = []
     try:
         for flow_run_id in manager.flow_run_ids():

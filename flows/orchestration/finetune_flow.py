@@ -4,7 +4,7 @@ running its body. Tasks pass artifact paths and manifests, never models or data.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
@@ -67,7 +67,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
         states[name] = state
         if state.is_failed():
             raise _StageFailed(f"stage {name}: {state.message}")
-        return state.result()
+        return cast(Outcome, state.result())
 
     try:
         outcomes = run_pipeline(cfg, open_store(), only=only, until=until, force=force or [], verify=verify,

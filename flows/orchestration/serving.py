@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 from flows.orchestration.serve_stop import serve_until_stopped
 from flows.orchestration.stage_logs import route_logs
@@ -148,7 +149,7 @@ def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
 
     api_url = PREFECT_API_URL.value()
     if api_url:  # from the environment or the active profile
-        ctx = contextlib.nullcontext()
+        ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     else:  # a local `prefect server start`, never an ephemeral server nobody else can reach
         api_url = os.environ["PREFECT_API_URL"] = DEFAULT_API_URL  # (flow-run subprocesses inherit it)
         ctx = temporary_settings({PREFECT_API_URL: api_url})

@@ -81,10 +81,10 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         from prefect.deployments import run_deployment
 
         default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
-        fr = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
+        fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
                             flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None)
         return _outcome(run, fr.name, fr.state, None)
-    parent = TaskRunContext.get().task_run.id
+    parent = TaskRunContext.get().task_run.id  # type: ignore[union-attr]  # called inside a task
     with get_client(sync_client=True) as client:
         wait_for_task_run(client, parent)
         child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
@@ -145,12 +145,13 @@ def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bo
     have finished: (their summaries in the sweep's order, the failures). On an interrupt the children are
     ended first: the runner's exit cancels the tasks not started, then waits for the running ones."""
     _STOPPING.clear()
+    runner: Any  # (a ThreadPoolTaskRunner; its generic parameter is the futures' type)
     with ThreadPoolTaskRunner(max_workers=max(1, parallel)) as runner:
         futures = [runner.submit(run_child.with_options(task_run_name=literal_task_run_name(run.label)),
                                  {"sweep_name": sw.name, "run": run, "config": config, "api_url": api_url,
                                   "on_workers": on_workers}) for run in sw.runs]
         try:
-            pending = futures
+            pending: list[Any] = futures
             while pending:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
                 pending = list(wait(pending, timeout=1).not_done)
         except BaseException:

@@ -46,7 +46,7 @@ def publish(pipeline: str, o: Outcome) -> None:
 def manifest_rows(o: Outcome) -> list[dict[str, Any]]:
     m = o.manifest
     files = m.get("files") or []
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"field": "status", "value": "computed" if o.computed else "cached"},
         {"field": "key", "value": o.key},
         {"field": "path", "value": str(o.path)},
@@ -100,7 +100,7 @@ def evaluate_rows(metrics: Any) -> list[dict[str, Any]]:
     if isinstance(splits, dict) and splits and all(isinstance(v, dict) for v in splits.values()):
         return [{"split": name, **{k: v for k, v in values.items() if isinstance(v, int | float | str)}}
                 for name, values in splits.items()]
-    rows = []
+    rows: list[dict[str, Any]] = []
 
     def walk(value: Any, name: str) -> None:
         if isinstance(value, dict):

@@ -27,8 +27,8 @@ import sys
 from flows.reports import comparison, config_diff
 from flows.reports.formatting import local_time, number, render_table
 from flows.reports.variants import add_sweep_args, from_args
-from stages.common.fit import estimate_pipeline, format_estimate
 from stages.common.memory import free_memory
+from stages.common.pipeline_memory import estimate_pipeline, format_estimate
 from stages.engine.cli import add_config_option, guarded
 from stages.engine.commands import command
 from stages.engine.config import load_pipeline

@@ -35,7 +35,7 @@ NOT_CACHED = 3
 
 def stage_rows(cfg: PipelineConfig, store: Store) -> list[dict[str, Any]]:
     """One row per stage: key, artifact path, whether it is in the store, its last outcome and times."""
-    last: dict[tuple[str, str], dict] = {}
+    last: dict[tuple[Any, Any], dict] = {}
     for ev in store.events():
         if ev.get("pipeline") == cfg.name:
             last[(ev.get("stage"), ev.get("key"))] = ev

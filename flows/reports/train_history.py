@@ -3,25 +3,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from stages.common.runlog import read_metrics
+
 
 def read_history(folder: Path) -> list[dict[str, Any]]:
-    """The records with a step; an unreadable line is skipped (a run killed mid-write leaves half a line)."""
-    path = folder / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
+    """The records with a step of the train artifact in `folder`."""
+    return read_metrics(folder / "metrics.jsonl")
 
 
 def train_losses(history: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -100,7 +100,8 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
                               f"({variant}); remove one")
         labels[variant] = len(labels)
     runs = []
-    for seed in cfg.seeds or [None]:  # seed by seed: the first seed of every variant runs first
+    seeds: list[int | None] = [*cfg.seeds] if cfg.seeds else [None]
+    for seed in seeds:  # seed by seed: the first seed of every variant runs first
         for variant, p in zip(labels, params, strict=True):
             over = {**cfg.set, **p, **({"train.seed": seed} if seed is not None else {})}
             try:

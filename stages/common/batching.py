@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,3 +109,27 @@ def padding_share(batches: list[list[int]], lengths: Sequence[int], micro_batch:
             real += sum(ls)
             computed += max(ls) * len(ls)
     return 1 - real / computed if computed else 0.0
+
+
+class Rows:
+    """Row access to a tokenized split (a datasets.Dataset or a list of dicts, for tests)."""
+
+    def __init__(self, ds: Any):
+        self.ds = ds
+        if isinstance(ds, list):
+            self.lengths = [len(r["input_ids"]) for r in ds]
+        else:
+            cols = ds.column_names
+            self.lengths = list(ds["length"]) if "length" in cols else [len(x) for x in ds["input_ids"]]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def get(self, idx: list[int]) -> list[dict]:
+        if isinstance(self.ds, list):
+            return [self.ds[i] for i in idx]
+        cols = self.ds[idx]
+        return [{"input_ids": cols["input_ids"][j], "labels": cols["labels"][j]} for j in range(len(idx))]
+
+    def batches(self, idx: list[int], micro: int, pad_id: int, task: str) -> list[Batch]:
+        return [collate(self.get(mb), pad_id, task) for mb in split_micro(idx, self.lengths, micro)]

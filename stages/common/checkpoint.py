@@ -58,7 +58,7 @@ class TrainingProgress:
 # ---------------------------------------------------------------- RNG states, weights_only-loadable
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = np.random.get_state()  # type: ignore[assignment]  # the legacy tuple
     py_state = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.common.compat.accelerate import reset_accelerator_state
 from stages.engine.errors import ConfigError
 
 
@@ -28,11 +29,10 @@ def resolve_precision(setting: str, device: torch.device) -> str:
 
 def make_accelerator(mixed_precision: str, log: logging.Logger) -> tuple[Any, str]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve_precision(mixed_precision, device)
-    AcceleratorState._reset_state(True)  # several trainings in one process (tests, bench) may differ
+    reset_accelerator_state()  # several trainings in one process (tests, bench) may differ
     # accumulation is ours (token-normalised), so accelerate's own is left at 1
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=1, cpu=device.type == "cpu")
     log.info("train: device %s, mixed precision %s (setting %s)", accelerator.device, precision, mixed_precision)
@@ -53,8 +53,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module, log: logging.Logger) -
         else:
             log.warning("train.gradient_checkpointing: %s does not support it; ignored", type(model).__name__)
             return
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.use_cache = False
 
 
 def upcast_trainable(model: torch.nn.Module, log: logging.Logger) -> None:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def joining(settings: Any, what: str = "train") -> str | None:
 
 def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path, log: logging.Logger, *,
            port: int | None = None, config_file: str | Path | None = None, what: str = "train",
-           pythonpath: list[str] = (), num_machines: int = 1, machine_rank: int = 0,
+           pythonpath: Sequence[str] = (), num_machines: int = 1, machine_rank: int = 0,
            main_process_ip: str | None = None) -> Any:
     """Call `target` ("module:function") with `args` in each of `num_processes` processes on this machine;
     return rank 0's result (None on a machine other than 0, which has no rank 0). `config_file`: an

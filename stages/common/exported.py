@@ -15,7 +15,7 @@ from typing import Any
 
 from stages.common.hf import special_affixes
 from stages.common.inference import class_logits, device_for, generate
-from stages.common.models import AUTO_CLASSES, quiet_transformers
+from stages.common.model_loading import AUTO_CLASSES, quiet_transformers
 from stages.engine.errors import ConfigError
 
 PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model

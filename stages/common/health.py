@@ -37,6 +37,7 @@ from stages.common.checkpoint import (
     trainable_state,
 )
 from stages.engine.errors import DivergenceError, MissingInputError
+from stages.engine.schema import TrainConfig
 
 SMOOTH_ROWS = 256  # rows the loss is averaged over before it is compared
 HISTORY = 100  # averaged values (steps) the level is the median of
@@ -45,7 +46,7 @@ FIX = ("lower train.lr, clip gradients (train.max_grad_norm, e.g. 1.0), or train
        "(train.mixed_precision=no)")
 
 
-def check_settings(tcfg: Any, task: str, has_validation: bool) -> None:
+def check_settings(tcfg: TrainConfig, task: str, has_validation: bool) -> None:
     """Before training: the settings that need a validation split have one, the metric fits the task."""
     asked = [name for name in ("eval_every", "select_best", "early_stopping") if getattr(tcfg, name) is not None]
     if asked and not has_validation:
@@ -144,6 +145,7 @@ class BestKeeper:
             progress.evals_since_best += 1
         if progress.evals_since_best >= self.early.patience:
             b = progress.best
+            assert b is not None  # set at the first evaluation
             progress.stopped = (f"early stopping at step {progress.step}: {metric} did not improve by more than "
                                 f"{self.early.min_delta:g} for {self.early.patience} evaluations (best {b['value']:.4g} "
                                 f"at step {b['step']})")

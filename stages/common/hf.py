@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.hub import ensure_hub_reachable, hub_identity, resolve_local
+from stages.engine.schema import PipelineConfig
 
 HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "
            "pkg:PACKAGE/PATH, or download it into the HF cache on a connected machine and set HF_HUB_OFFLINE=1")
@@ -24,11 +25,11 @@ def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], P
     return name, kwargs, None
 
 
-def tokenizer_name(cfg: Any) -> str:
+def tokenizer_name(cfg: PipelineConfig) -> str:
     return cfg.tokenize.tokenizer or cfg.model.name
 
 
-def tokenizer_files(cfg: Any) -> list[Path]:
+def tokenizer_files(cfg: PipelineConfig) -> list[Path]:
     """Files whose content identifies a local tokenizer (a hub tokenizer is identified by id + revision)."""
     gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
     _, _, local = split_gguf(tokenizer_name(cfg), gguf)
@@ -41,14 +42,14 @@ def tokenizer_files(cfg: Any) -> list[Path]:
                    or p.suffix in (".model", ".tiktoken")))
 
 
-def tokenizer_deps(cfg: Any) -> dict[str, str]:
+def tokenizer_deps(cfg: PipelineConfig) -> dict[str, str]:
     """A hub tokenizer pinned to the commit its revision points at ({} for a local one)."""
     gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
     source, _, local = split_gguf(tokenizer_name(cfg), gguf)
     return {} if local is not None else hub_identity(source, cfg.model.revision)
 
 
-def model_deps(cfg: Any) -> dict[str, str]:
+def model_deps(cfg: PipelineConfig) -> dict[str, str]:
     """A hub model pinned to the commit its revision points at, with the tokenizer its pad token comes from."""
     deps = tokenizer_deps(cfg)
     if not cfg.model.from_config:

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from stages.common.compat.transformers import matches_modules
 from stages.engine.errors import ConfigError
+from stages.engine.schema import AdaptersConfig
 from stages.engine.units import human_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int8: 1, torch.uint8: 1}
@@ -81,12 +83,6 @@ class Estimate:
                 + self.activations)
 
 
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
-    return bool(patterns) and not should_convert_module(name, list(patterns))
-
-
 def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
     """Price every parameter (and buffer) of a meta-device model as the loader will store it."""
     est = Estimate()
@@ -97,9 +93,9 @@ def weights_estimate(meta: nn.Module, plan: QuantPlan) -> Estimate:
         if not own:
             continue
         is_linear = type(module) is nn.Linear
-        kept = _matches(name, plan.keep_fp32)
-        quantize = (plan.mode != "none" and is_linear and not _matches(name, plan.skip)
-                    and not _matches(name, plan.keep))
+        kept = matches_modules(name, plan.keep_fp32)
+        quantize = (plan.mode != "none" and is_linear and not matches_modules(name, plan.skip)
+                    and not matches_modules(name, plan.keep))
         for pname, p in own:
             priced.add(id(p))
             n = p.numel()
@@ -130,7 +126,7 @@ def lora_target_modules(model: nn.Module, targets: list[str]) -> list[str]:
     return [n for n, _ in model.named_modules() if n and any(n == t or n.endswith("." + t) for t in targets)]
 
 
-def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters: Any) -> Estimate:
+def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters: AdaptersConfig) -> Estimate:
     """Add LoRA weights / modules_to_save copies (or full training) and the trainable count."""
     if adapters.method == "full":
         est.trainable_params = est.total_params
@@ -146,8 +142,8 @@ def adapters_estimate(est: Estimate, meta: nn.Module, plan: QuantPlan, adapters:
     if adapters.bias == "all":
         biases = sum(p.numel() for n, p in meta.named_parameters() if n.endswith(".bias"))
     elif adapters.bias == "lora_only":
-        biases = sum(meta.get_submodule(n).bias.numel() for n in lora_target_modules(meta, adapters.target_modules)
-                     if getattr(meta.get_submodule(n), "bias", None) is not None)
+        biases = sum(b.numel() for n in lora_target_modules(meta, adapters.target_modules)
+                     if (b := getattr(meta.get_submodule(n), "bias", None)) is not None)
     # prepare_model_for_kbit_training casts every 16-bit parameter of a quantized model to fp32
     upcast = 0
     if plan.mode != "none" and plan.dtype != torch.float32:
@@ -164,10 +160,10 @@ def activation_bytes(config: Any, micro_batch: int, length: int, target_length: 
     """A rough activation term: about 16 hidden-sized values per token and layer kept for backward
     (attention scores, heads x length per token, on top), one layer's worth plus layer inputs with
     gradient checkpointing; fp32 logits and their gradient. Good to a factor of two, no better."""
-    h = getattr(config, "hidden_size", None) or getattr(config, "d_model", 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "num_layers", 1)
+    h: int = getattr(config, "hidden_size", 0) or getattr(config, "d_model", 0)
+    layers: int = getattr(config, "num_hidden_layers", 0) or getattr(config, "num_layers", 1)
     layers += getattr(config, "num_decoder_layers", 0) or 0
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", 1)
+    heads: int = getattr(config, "num_attention_heads", 0) or getattr(config, "num_heads", 1)
     vocab = getattr(config, "vocab_size", 0)
     s = length + (target_length or 0)
     per_layer = micro_batch * s * (16 * h + 2 * heads * s) * compute_bytes

@@ -13,6 +13,22 @@ from typing import Any
 from stages.common.progress import Progress
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl that carry a step, in order; an unreadable line is skipped (a run
+    killed mid-write leaves half a line)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
+
+
 class RunLog:
     """metrics.jsonl + TensorBoard events, kept in work_dir while training (so a resumed run continues
     them) and copied into the artifact at the end; the progress bar and the log lines."""
@@ -22,9 +38,8 @@ class RunLog:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "metrics.jsonl"
         if self.path.exists():  # drop what a killed run logged after its last checkpoint
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -112,7 +127,7 @@ def plot_loss(metrics_path: Path, png: Path, metric_axis: bool = False) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    recs = read_metrics(metrics_path)
     train = [r for r in recs if r.get("kind") == "train"]
     val = [r for r in recs if r.get("kind") == "validation"]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)

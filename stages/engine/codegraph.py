@@ -46,7 +46,6 @@ class ModuleInfo:
     defs: dict[str, list[ast.stmt]] = field(default_factory=dict)  # name -> def/class/assign statements
     imports: dict[str, tuple[str, str | None]] = field(default_factory=dict)  # name -> (module, attr)
     preamble: list[ast.stmt] = field(default_factory=list)
-    stmt_of_line: list[tuple[int, int, ast.stmt]] = field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=256)
@@ -132,8 +131,6 @@ class CodeGraph:
         package = name if self._is_package(name) else name.rpartition(".")[0]
         info = ModuleInfo(name, source, tree)
         for stmt in tree.body:
-            info.stmt_of_line.append((stmt.lineno - len(getattr(stmt, "decorator_list", []) or []),
-                                      stmt.end_lineno or stmt.lineno, stmt))
             if isinstance(stmt, ast.Import | ast.ImportFrom):
                 if not (isinstance(stmt, ast.ImportFrom) and stmt.module == "__future__"):
                     info.imports.update(_import_targets(stmt, package))
@@ -145,21 +142,6 @@ class CodeGraph:
             elif not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)):  # docstrings
                 info.preamble.append(stmt)
         return info
-
-    def object_at(self, module: str, line: int) -> str:
-        """The top-level object whose statement holds `line` (for tracers)."""
-        info = self.module(module)
-        if info is None:
-            return WHOLE
-        for start, end, stmt in info.stmt_of_line:
-            decorators = getattr(stmt, "decorator_list", None) or []
-            start = min([start, *[d.lineno for d in decorators]])
-            if start <= line <= end:
-                names = _bound_names(stmt)
-                if isinstance(stmt, ast.Import | ast.ImportFrom):
-                    return PREAMBLE
-                return names[0] if names else PREAMBLE
-        return PREAMBLE
 
     # ------------------------------------------------------------ resolving names
     def resolve(self, module: str, name: str) -> tuple[str, str] | None:

@@ -100,7 +100,7 @@ def override_strings(overrides: list[str] | dict[str, Any] | None) -> list[str]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
 
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+    def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
@@ -393,7 +393,7 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     model: Any = PipelineConfig
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:
             return None
         ann = field.annotation

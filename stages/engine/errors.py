@@ -24,9 +24,5 @@ class HubUnreachableError(FinetuneError):
     """The Hugging Face hub cannot be reached and no local copy was configured."""
 
 
-class CorruptCacheError(FinetuneError):
-    """A committed artifact fails verification."""
-
-
 class DivergenceError(FinetuneError):
     """Training diverged (non-finite or exploding loss or gradients); nothing was committed."""

@@ -77,7 +77,7 @@ class HashMemo:
 
     def __init__(self, path: Path | None = None):
         self.path = path
-        self._mem: dict[tuple, str] = {}
+        self._mem: dict[Any, Any] = {}  # (path, stat fields) -> sha256; derived key -> JSON value
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
 

@@ -41,7 +41,7 @@ def chunked(items: Sequence[T], parts: int) -> list[Sequence[T]]:
     return out
 
 
-def map_chunks(fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], *, jobs: int | None = None,
+def map_chunks(fn: Callable[..., list[R]], items: Sequence[T], *, jobs: int | None = None,
                min_items: int = 1, prefer: str = "processes", chunks_per_job: int = 4, **kw: Any) -> list[R]:
     """fn over contiguous chunks of `items`, concatenated in input order: `fn(items)` exactly, computed by
     `jobs` workers (joblib; `prefer` "threads" for I/O or code that releases the GIL). Serial when one

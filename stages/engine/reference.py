@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from stages.engine.schema import SECTIONS, PipelineConfig, Section, SweepConfig
+from stages.engine.schema import SECTIONS, PipelineConfig, Section, SweepConfig, is_runtime
 
 REFERENCE_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 START = "<!-- config-reference:start -->"
@@ -61,11 +61,6 @@ def default_text(field: FieldInfo) -> str:
     if isinstance(value, BaseModel):
         return "(see below)"
     return f"`{json.dumps(value, ensure_ascii=False)}`"
-
-
-def is_runtime(field: FieldInfo) -> bool:
-    extra = field.json_schema_extra
-    return isinstance(extra, dict) and bool(extra.get("runtime"))
 
 
 def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, FieldInfo]]:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stages.engine.commands import command
 from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
@@ -71,6 +71,8 @@ class ConfigView:
         if name.startswith("_"):
             raise AttributeError(name)
         path = f"{self._prefix}{name}"
+        if path == "overrides" and path in self._reads:
+            return self._obj.overrides_within(self._reads)
         if any(path == r or path.startswith(r + ".") for r in self._reads):
             return getattr(self._obj, name)
         if any(r.startswith(path + ".") for r in self._reads):
@@ -81,12 +83,21 @@ class ConfigView:
 
 @dataclass
 class StageContext:
-    cfg: Any  # a ConfigView over PipelineConfig
+    """What a stage body is handed. `cfg` is typed as the PipelineConfig it reads (so `ctx.cfg.train.lr`
+    is TrainConfig.lr to a reader and a type checker); at run time it is a ConfigView over it."""
+
+    cfg: PipelineConfig
     out_dir: Path  # everything written here becomes the artifact (committed atomically)
     work_dir: Path  # scratch that survives a crash of this key (checkpoints); deleted after commit
     upstream: dict[str, Path]
     upstream_manifests: dict[str, dict[str, Any]]
     log: logging.Logger
+
+
+def stage_params(cfg: PipelineConfig, reads: tuple[str, ...]) -> dict[str, Any]:
+    """The values of the config fields a stage reads, as its key records them (`overrides`: those of the
+    fields it reads, as ConfigView shows them)."""
+    return {r: cfg.overrides_within(reads) if r == "overrides" else select(cfg, r) for r in reads}
 
 
 def select(cfg: PipelineConfig, path: str) -> Any:
@@ -119,7 +130,7 @@ def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = 
         code, objects = remembered_code_fingerprint(code_roots(st), hashes)
         sk = StageKey(
             stage=st.name,
-            params={r: select(cfg, r) for r in st.reads},
+            params=stage_params(cfg, st.reads),
             upstream={u: keys[u].key for u in st.upstream},
             inputs={**inputs_digest(st.inputs(cfg), hashes), **st.deps(cfg)},
             code=code,
@@ -207,7 +218,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
                                 f"without --only first: {run_command(cfg)}")
     ups = {u: done[u] for u in st.upstream}
     ctx_factory = lambda out, work: StageContext(  # noqa: E731
-        cfg=ConfigView(cfg, st.reads, st.name), out_dir=out, work_dir=work,
+        cfg=cast(PipelineConfig, ConfigView(cfg, st.reads, st.name)), out_dir=out, work_dir=work,
         upstream={u: o.path for u, o in ups.items()},
         upstream_manifests={u: o.manifest for u, o in ups.items()},
         log=logging.getLogger(f"finetune.{st.name}"))
@@ -218,7 +229,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
         st.precheck(cfg)
     outcome = store.run(
         sk, lambda out, work: st.body(ctx_factory(out, work)), pipeline=cfg.name,
-        config={r: select(cfg, r) for r in st.reads},
+        config=stage_params(cfg, st.reads),
         upstream_digests={u: o.manifest["digest"] for u, o in ups.items()},
         force=force, verify=verify)
     store.set_ref(cfg.name, st.name, sk.key)

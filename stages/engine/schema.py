@@ -6,9 +6,11 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
@@ -30,6 +32,10 @@ def _choices(annotation: Any) -> tuple[str, ...]:
     if typing.get_origin(annotation) is Literal:
         return tuple(a for a in typing.get_args(annotation) if isinstance(a, str))
     return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+def is_runtime(field: FieldInfo) -> bool:
+    """A field made with `runtime(...)`: it does not change outputs, so it stays out of cache keys."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("runtime"))
 
 
 class Section(BaseModel):
@@ -53,8 +59,7 @@ class Section(BaseModel):
         """The fields that change outputs, as JSON-able data (runtime fields dropped)."""
         out = {}
         for name, field in type(self).model_fields.items():
-            extra = field.json_schema_extra or {}
-            if isinstance(extra, dict) and extra.get("runtime"):
+            if is_runtime(field):
                 continue
             value = getattr(self, name)
             out[name] = value.cache_dict() if isinstance(value, Section) else _jsonable(value)
@@ -331,7 +336,8 @@ class TrainConfig(Section):
 
 class EvaluateConfig(Section):
     splits: list[Literal["train", "validation", "test"]] = Field(
-        default_factory=lambda: ["test"], min_length=1, description="splits to evaluate, each in metrics.json")
+        default_factory=lambda: ["test"],  # type: ignore[arg-type]  # mypy reads ["test"] as list[str]
+        min_length=1, description="splits to evaluate, each in metrics.json")
     batch_size: int = Field(8, ge=1, description="rows per forward / generate call (in the key: padding and "
                             "batched beam search can change generated text at float precision)")
     max_examples: int | None = Field(None, ge=1, description="evaluate only the first N rows of each split")
@@ -378,36 +384,25 @@ class PipelineConfig(BaseModel):
     evaluate: EvaluateConfig = Field(EvaluateConfig(), description="the evaluate stage")
     export: ExportConfig = Field(ExportConfig(), description="the export stage")
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
-                                 "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
-                                 "card's reproduce command repeats them (runtime ones left out)")
-    config_file: str | None = runtime(None, description="the user's pipeline file this config was loaded from, "
-                                      "absolute (set by the loader; null for the project's pipeline.yaml): "
-                                      "commands the project prints repeat it as --config")
+                                 "loaded with, as given (set by the loader, never in pipeline.yaml); a stage that "
+                                 "reads them sees those of the fields it reads")
 
-    @model_validator(mode="after")
-    def _select_best_is_validated(self) -> PipelineConfig:
-        sb = self.train.select_best
-        names = VALIDATION_METRICS.get(self.model.task, ("loss",))
-        if sb is not None and sb.metric.removeprefix("val_") not in names:
-            raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
-                             f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
-        return self
-
-    @property
-    def result_overrides(self) -> list[str]:
-        """The overrides that can change a stage's result: those of runtime fields dropped. The export card
-        repeats these, so a runtime setting (logging, devices) never re-exports."""
-        return [o for o in self.overrides if _shapes_results(o.split("=", 1)[0].strip().split("."))]
+    def overrides_within(self, reads: Iterable[str]) -> list[str]:
+        """The `--set` overrides that set a keyed (not runtime) field under one of the dotted paths `reads`:
+        what a stage that reads `overrides` sees and is keyed on."""
+        reads = [r for r in reads if r != "overrides"]
+        return [o for o in self.overrides if _keyed_within(o.split("=", 1)[0].strip(), reads)]
 
 
-def _shapes_results(path: list[str]) -> bool:
+def _keyed_within(path: str, reads: list[str]) -> bool:
+    if not any(path == r or path.startswith(r + ".") for r in reads):
+        return False
     model: Any = PipelineConfig
-    for part in path:
+    for part in path.split("."):
         field = getattr(model, "model_fields", {}).get(part)
         if field is None:
             return True  # unknown to the schema: validation already refused it; keep rather than guess
-        extra = field.json_schema_extra or {}
-        if isinstance(extra, dict) and extra.get("runtime"):
+        if is_runtime(field):
             return False
         model = field.annotation
     return True

@@ -84,7 +84,7 @@ def _changed_files(old: dict[str, str], new: dict[str, str]) -> list[str]:
 
 def _objects(entries: list[str]) -> dict[str, str]:
     """["module.qualname:sha12", ...] -> {name: sha12} (older manifests list bare names)."""
-    return dict(e.rsplit(":", 1) if ":" in e else (e, "") for e in entries)
+    return {e.rpartition(":")[0] if ":" in e else e: e.rpartition(":")[2] if ":" in e else "" for e in entries}
 
 
 def why_changed(old_inputs: dict[str, Any], sk: StageKey) -> list[str]:

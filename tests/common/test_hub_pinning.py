@@ -10,7 +10,7 @@ import transformers
 from helpers import IMDB, needs_shared_data
 
 from stages.common.hub import revision_sha
-from stages.common.models import load_model
+from stages.common.model_loading import load_model
 from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.status import why_changed

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.common import fit, memory, models
+from stages.common import memory, model_loading, pipeline_memory
 from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.schema import AdaptersConfig, ModelConfig, PipelineConfig, QuantizationConfig
@@ -22,8 +22,8 @@ ARTICLE_LORA = AdaptersConfig(method="lora", r=32, alpha=16, dropout=0.05, targe
 
 
 def t5_estimate(q: QuantizationConfig, a: AdaptersConfig = FULL, m: ModelConfig = T5_FP16) -> memory.Estimate:
-    config = models.hf_config(m)
-    meta, plan = models.meta_and_plan(m, q, config)
+    config = model_loading.hf_config(m)
+    meta, plan = model_loading.meta_and_plan(m, q, config)
     return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
 
 
@@ -56,7 +56,7 @@ def test_training_terms_of_tiny_billsum_match_a_real_model_and_the_shapes():
     import transformers
 
     cfg = load_pipeline("tiny-billsum", ["quantization.compute_dtype=float32"])
-    est = fit.estimate_pipeline(cfg)
+    est = pipeline_memory.estimate_pipeline(cfg)
     # measured on the real model: footprint, then what PEFT adds and makes trainable
     shapes = {k: v for k, v in cfg.model.from_config.items() if k != "model_type"}
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(**shapes))
@@ -78,7 +78,7 @@ def test_training_terms_of_tiny_billsum_match_a_real_model_and_the_shapes():
     assert est.total == 4_073_216 + 3_919_104 + 3_919_104 + 7_838_208 + 62_711_808
 
     def terms(*sets: str) -> memory.Estimate:
-        return fit.estimate_pipeline(load_pipeline("tiny-billsum", ["quantization.compute_dtype=float32", *sets]))
+        return pipeline_memory.estimate_pipeline(load_pipeline("tiny-billsum", ["quantization.compute_dtype=float32", *sets]))
 
     assert terms("train.optimizer=paged_adamw_8bit").optimizer == 2 * 979_776  # 8-bit states: 2 bytes
     assert terms("train.micro_batch_size=8").activations == 4 * (4 * per_layer + logits)
@@ -118,4 +118,4 @@ def test_estimate_needs_no_weights(monkeypatch):
                         classmethod(lambda *a, **k: pytest.fail("weights loaded")))
     cfg = PipelineConfig.model_validate({"name": "t", "model": T5_MODEL.model_dump(),
                                          "quantization": {"mode": "4bit"}})
-    assert fit.estimate_pipeline(cfg).weights > 0
+    assert pipeline_memory.estimate_pipeline(cfg).weights > 0

@@ -10,7 +10,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from stages.common import models
+from stages.common import model_loading
 from stages.engine.errors import ConfigError
 from stages.engine.runner import plan, run_stage
 from stages.engine.schema import PipelineConfig
@@ -54,7 +54,7 @@ def test_qlora_only_on_named_targets_and_trainable(tmp_path):
     assert m["percent"] == pytest.approx(100 * m["trainable"] / m["total"], abs=1e-3)
     assert (out.path / "adapter" / "adapter_model.safetensors").is_file()
 
-    model = models.load_trainable(model_out.path, out.path)
+    model = model_loading.load_trainable(model_out.path, out.path)
     wrapped = {n.removeprefix("base_model.model.") for n, mod in model.named_modules()
                if hasattr(mod, "lora_A") and len(mod.lora_A)}
     assert wrapped == {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")}
@@ -95,7 +95,7 @@ def test_full_makes_every_parameter_trainable(tmp_path):
     m = out.manifest["metrics"]
     assert m["trainable"] == m["total"] and m["percent"] == 100.0
     assert not (out.path / "adapter").exists()
-    model = models.load_trainable(model_out.path, out.path)
+    model = model_loading.load_trainable(model_out.path, out.path)
     params = list(model.parameters())
     assert params and all(p.requires_grad for p in params) and sum(p.numel() for p in params) == m["total"]
 

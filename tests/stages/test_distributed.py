@@ -151,7 +151,7 @@ def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, r
 def test_the_stage_with_two_processes_through_the_store(store_dir):
     """train.num_processes=2 on tiny-imdb: the stage launches itself, rank 0 writes the artifact, the
     manifest reports the effective batch with the processes; a config error inside is the stage's error."""
-    from stages.common.models import load_trained
+    from stages.common.model_loading import load_trained
 
     out = run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", until="train")
     art, m = out["train"].path, out["train"].manifest["metrics"]

@@ -13,7 +13,7 @@ import torch
 from helpers import BILLSUM, IMDB, needs_shared_data
 
 from stages.common.batching import collate
-from stages.common.models import load_model
+from stages.common.model_loading import load_model
 from stages.engine.config import load_pipeline
 from stages.evaluate import exact_cpu_kernels, load_evaluated
 from stages.graph import plan

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stages import model as model_stage
-from stages.common import models
+from stages.common import model_loading
 from stages.engine.errors import ConfigError, HubUnreachableError
 from stages.engine.runner import plan, run_stage
 from stages.engine.schema import PipelineConfig
@@ -91,7 +91,7 @@ def test_quantization_modes_layer_counts_and_footprint(tmp_path, arch, modes):
         assert m["estimate"]["footprint_bytes"] == m["footprint_bytes"], mode
         assert m["estimate"]["quant_constants_bytes"] == m["quant_state_bytes"], mode
         # the artifact reloads with the same layers, footprint and outputs, in fp32 compute
-        loaded = models.load_model(out.path)
+        loaded = model_loading.load_model(out.path)
         assert loaded.get_memory_footprint() == m["footprint_bytes"]
         kinds = [type(x).__name__ for x in loaded.modules()]
         assert kinds.count(layer) == (quantized + plain if mode == "none" else quantized)
@@ -122,7 +122,7 @@ def test_t5_wo_kept_fp32_unless_asked(tmp_path):
     assert m["layers_by_type"]["Linear4bit"] == 32 and m["layers_by_type"]["Linear"] == 1
     assert m["estimate"]["footprint_bytes"] == m["footprint_bytes"]
     assert m["footprint_bytes"] == kept["footprint_bytes"] - 4 * 64 * 256 * BYTES_SAVED["nf4"]  # the 4 wo
-    loaded = models.load_model(out.path)
+    loaded = model_loading.load_model(out.path)
     assert type(loaded.encoder.block[0].layer[1].DenseReluDense.wo).__name__ == "Linear4bit"
 
 
@@ -186,7 +186,7 @@ def test_smollm2_gguf_classifier_then_from_store(tmp_path):
 
     def again():
         out = run_model(cfg, tmp_path)
-        return out, models.load_model(out.path)
+        return out, model_loading.load_model(out.path)
 
     (second, model), opened = gguf_opens(again)
     assert not second.computed and second.key == first.key
@@ -202,7 +202,7 @@ def test_smollm2_gguf_causal_lm(tmp_path):
     m = out.manifest["metrics"]
     assert m["model_class"] == "LlamaForCausalLM" and m["layers_by_type"]["Linear"] == 30 * 7 + 1
     assert m["parameters"] == 134_515_008  # lm_head tied to the embeddings
-    model = models.load_model(out.path)
+    model = model_loading.load_model(out.path)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     # a real model, not random weights: it continues a counting sequence
     from transformers import AutoTokenizer

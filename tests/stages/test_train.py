@@ -10,10 +10,9 @@ import torch
 from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
-from stages.common.batching import collate
+from stages.common.batching import Rows, collate
 from stages.common.checkpoint import checkpoints
 from stages.common.optim import lr_factor
-from stages.common.splits import Rows
 from stages.train import accumulate_window, train_model
 
 log = logging.getLogger("test.train")
@@ -149,7 +148,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     read back by load_trained with the trained weights; a second run is a cache hit."""
     from safetensors.torch import load_file
 
-    from stages.common.models import load_trained
+    from stages.common.model_loading import load_trained
 
     sets = ("train.max_steps=3", "train.log_every=1")
     out = run(pipeline, *sets, until="train")

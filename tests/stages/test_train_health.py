@@ -243,7 +243,7 @@ def test_select_best_on_validation_macro_f1_keeps_the_weights_that_score_it(stor
     trained/ weights score the best value on the validation split, recomputed here by hand."""
     import datasets
 
-    from stages.common.models import load_trained
+    from stages.common.model_loading import load_trained
 
     sets = ["data.subset={train: 48, validation: 16, test: 8}", "train.max_steps=8", "train.lr=1e-2",
             "train.eval_every=2", "train.select_best={metric: val_macro_f1}"]

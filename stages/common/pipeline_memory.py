@@ -3,14 +3,13 @@ built on the meta device, no weights read), and the precheck that stops a run th
 
 from __future__ import annotations
 
-from typing import Any
-
 from stages.common import memory
-from stages.common.models import compute_dtype, hf_config, meta_and_plan
+from stages.common.model_loading import compute_dtype, hf_config, meta_and_plan
+from stages.engine.schema import PipelineConfig
 from stages.engine.units import human_bytes
 
 
-def estimate_pipeline(cfg: Any) -> memory.Estimate:
+def estimate_pipeline(cfg: PipelineConfig) -> memory.Estimate:
     """The whole training estimate for a PipelineConfig: weights, adapters, gradients, optimizer state and
     activations for train.micro_batch_size x tokenize.max_length. Loads no weights."""
     config = hf_config(cfg.model)
@@ -26,7 +25,7 @@ def estimate_pipeline(cfg: Any) -> memory.Estimate:
     return est
 
 
-def check_pipeline_fits(cfg: Any) -> memory.Estimate | None:
+def check_pipeline_fits(cfg: PipelineConfig) -> memory.Estimate | None:
     """Estimate a pipeline's training memory and stop (ConfigError naming the knobs) if it cannot fit.
     Nothing is estimated with model.memory_check=false (None)."""
     if not cfg.model.memory_check:

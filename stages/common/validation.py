@@ -1,5 +1,4 @@
-"""Row access to a tokenized split (the train stage's batches are cut from it) and the validation pass
-over one."""
+"""The validation pass over a tokenized split: its rows, and the mean loss (and accuracy) over them."""
 
 from __future__ import annotations
 
@@ -9,33 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from stages.common import metrics
-from stages.common.batching import IGNORE_INDEX, Batch, collate, split_micro
+from stages.common.batching import IGNORE_INDEX, Rows, collate
 from stages.common.inference import decoded_targets, generate, prompt_of, stop_token
 from stages.common.losses import loss_units, summed_loss
-
-
-class Rows:
-    """Row access to a tokenized split (a datasets.Dataset or a list of dicts, for tests)."""
-
-    def __init__(self, ds: Any):
-        self.ds = ds
-        if isinstance(ds, list):
-            self.lengths = [len(r["input_ids"]) for r in ds]
-        else:
-            cols = ds.column_names
-            self.lengths = list(ds["length"]) if "length" in cols else [len(x) for x in ds["input_ids"]]
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def get(self, idx: list[int]) -> list[dict]:
-        if isinstance(self.ds, list):
-            return [self.ds[i] for i in idx]
-        cols = self.ds[idx]
-        return [{"input_ids": cols["input_ids"][j], "labels": cols["labels"][j]} for j in range(len(idx))]
-
-    def batches(self, idx: list[int], micro: int, pad_id: int, task: str) -> list[Batch]:
-        return [collate(self.get(mb), pad_id, task) for mb in split_micro(idx, self.lengths, micro)]
 
 
 def validation_rows(val_ds: Any, max_examples: int | None) -> Rows | None:

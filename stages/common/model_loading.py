@@ -4,25 +4,36 @@ artifact (`load_model`, which reads `model/finetune.json`)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import logging
 import shutil
-import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-from torch import nn
 
 from stages.common import memory
+from stages.common.compat.peft import peft_dispatch
+from stages.common.compat.transformers import (
+    fp32_modules_quantized,
+    keep_in_fp32_modules,
+    keys_to_not_convert,
+)
 from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
 from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.schema import ModelConfig, PipelineConfig, QuantizationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    # what the stages load and save: a transformers model, or a PeftModel, which forwards every attribute to
+    # its base model (typed as that model)
+    HFModel: TypeAlias = PreTrainedModel
+
 
 AUTO_CLASSES = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
                 "causal_lm": "AutoModelForCausalLM"}
@@ -51,7 +62,7 @@ def compute_dtype(name: str) -> torch.dtype:
     return torch.float32
 
 
-def param_dtype(m: Any, q: Any) -> torch.dtype:
+def param_dtype(m: ModelConfig, q: QuantizationConfig) -> torch.dtype:
     """dtype of the parameters that are not quantized. `auto`: fp32 unquantized (mixed precision keeps fp32
     master weights); the compute dtype when quantized (what the QLoRA recipe loads)."""
     if m.dtype != "auto":
@@ -59,7 +70,7 @@ def param_dtype(m: Any, q: Any) -> torch.dtype:
     return compute_dtype(q.compute_dtype) if q.mode != "none" else torch.float32
 
 
-def hf_config(m: Any) -> Any:
+def hf_config(m: ModelConfig) -> Any:
     """The transformers config, from model.from_config, a GGUF header, a local folder or the hub."""
     from transformers import AutoConfig
 
@@ -95,27 +106,23 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
 
 
-def meta_model(m: Any, config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model's modules on the meta device: shapes and dtypes, no storage, no weights read."""
     with torch.device("meta"):
         return auto_class(m.task).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
 
 
-def meta_and_plan(m: Any, q: Any, config: Any) -> tuple[nn.Module, memory.QuantPlan]:
-    from transformers.quantizers.base import get_keys_to_not_convert
-
+def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any) -> tuple[PreTrainedModel, memory.QuantPlan]:
     dtype = param_dtype(m, q)
     meta = meta_model(m, config, dtype)
-    keep = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules", None) or ())
-    strict = set() if q.quantize_fp32_modules else set(getattr(meta, "_keep_in_fp32_modules_strict", None) or ())
-    # transformers 5 upcasts `_keep_in_fp32_modules` only when loading in fp16, the strict ones in fp16 and bf16
+    keep, strict = (set(), set()) if q.quantize_fp32_modules else keep_in_fp32_modules(meta)
     fp32 = (keep if dtype == torch.float16 else set()) | (strict if dtype != torch.float32 else set())
-    skip = set(get_keys_to_not_convert(meta)) | set(HEAD_MODULES) | set(q.skip_modules)
+    skip = keys_to_not_convert(meta) | set(HEAD_MODULES) | set(q.skip_modules)
     return meta, memory.QuantPlan(q.mode, q.double_quant, dtype, tuple(sorted(skip)), tuple(sorted(keep)),
                                   tuple(sorted(fp32)))
 
 
-def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
+def bnb_config(q: QuantizationConfig, plan: memory.QuantPlan) -> Any:
     from transformers import BitsAndBytesConfig
 
     if q.mode == "none":
@@ -128,25 +135,7 @@ def bnb_config(q: Any, plan: memory.QuantPlan) -> Any:
                               llm_int8_skip_modules=list(plan.skip))
 
 
-@contextlib.contextmanager
-def fp32_modules_quantized(cls: type, enabled: bool) -> Iterator[None]:
-    """Let bitsandbytes quantize the modules the class keeps in fp32 (T5's `wo`)."""
-    if not enabled:
-        yield
-        return
-    # patched where it is defined (T5PreTrainedModel), so sub-models such as T5Stack see it too
-    saved = [(c, a, c.__dict__[a]) for c in cls.__mro__ for a in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-             if a in c.__dict__]
-    for c, a, _ in saved:
-        setattr(c, a, None)
-    try:
-        yield
-    finally:
-        for c, a, v in saved:
-            setattr(c, a, v)
-
-
-def model_files(cfg: Any) -> list[Path]:
+def model_files(cfg: PipelineConfig) -> list[Path]:
     """Local checkpoint files whose content is in the key (a hub model is identified by id + revision)."""
     m = cfg.model
     if m.from_config:
@@ -160,7 +149,7 @@ def model_files(cfg: Any) -> list[Path]:
         p.suffix in (".safetensors", ".json", ".bin", ".gguf") and not p.name.startswith("tokenizer")))
 
 
-def input_files(cfg: Any) -> list[Path]:
+def input_files(cfg: PipelineConfig) -> list[Path]:
     """The stage's input files: the local checkpoint, and the tokenizer a pad token id may come from."""
     return sorted(set(model_files(cfg)) | set(tokenizer_files(cfg)))
 
@@ -218,7 +207,7 @@ def load_model(model_dir: Path) -> Any:
 # ---------------------------------------------------------------- the model through the chain
 
 
-def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> nn.Module:
+def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: bool = False) -> HFModel:
     """The model ready to train: the `model` artifact (load_model), prepare_model_for_kbit_training when
     quantized, then the initial LoRA adapter loaded trainable (modules_to_save included), or for `full`
     every parameter requiring grad. `gradient_checkpointing` only reaches prepare_model_for_kbit_training
@@ -241,54 +230,7 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
         return peft.PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
 
 
-def has_bnb_layers(model: nn.Module) -> bool:
-    return any(type(m).__module__.startswith("bitsandbytes") for m in model.modules())
-
-
-def import_peft(bnb: bool) -> Any:
-    """`import peft`; with bnb False and peft not yet imported, without importing bitsandbytes (peft.helpers
-    tries it on import, for a function this project never calls)."""
-    if bnb or "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        import peft
-
-        return peft
-    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # its import raises ImportError
-    try:
-        import peft
-    finally:
-        del sys.modules["bitsandbytes"]
-        import peft.import_utils as pu
-
-        for fn in (pu.is_bnb_available, pu.is_bnb_4bit_available):  # nothing decided while it was hidden
-            getattr(fn, "cache_clear", lambda: None)()
-    return peft
-
-
-@contextlib.contextmanager
-def peft_dispatch(model: nn.Module) -> Iterator[Any]:
-    """Around a PEFT call that wraps `model`'s layers; yields the peft module. PEFT imports bitsandbytes on
-    import and, when wrapping layers, to look for its layer classes whenever the package is installed
-    (bitsandbytes then logs its CPU-kernel notices). For a model without a bitsandbytes layer neither
-    happens, so a pipeline that neither quantizes nor uses an 8-bit optimizer never imports bitsandbytes."""
-    bnb = has_bnb_layers(model)
-    peft = import_peft(bnb)
-    if bnb:
-        yield peft
-        return
-    import peft.tuners.lora.model as lora_model
-
-    names = [n for n in ("is_bnb_available", "is_bnb_4bit_available") if hasattr(lora_model, n)]
-    saved = {n: getattr(lora_model, n) for n in names}
-    for n in names:
-        setattr(lora_model, n, lambda: False)
-    try:
-        yield peft
-    finally:
-        for n, fn in saved.items():
-            setattr(lora_model, n, fn)
-
-
-def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
+def save_trained(model: HFModel, folder: Path, model_dir: Path) -> None:
     """LoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json, modules_to_save included);
     full: the whole model's save_pretrained (safetensors) plus the model stage's load info, so
     `load_model` reads it like a model artifact."""
@@ -298,7 +240,7 @@ def save_trained(model: torch.nn.Module, folder: Path, model_dir: Path) -> None:
         shutil.copy2(hf_dir(model_dir) / LOAD_INFO, folder / LOAD_INFO)
 
 
-def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
+def load_trained(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFModel:
     """The trained model for the evaluate/export stages (eval mode): the model stage's base with the
     trained LoRA adapter, or the trained full model. `adapters_dir` is accepted for symmetry with
     load_trainable (the trained adapter carries its own config)."""

@@ -1,0 +1,26 @@
+"""bitsandbytes internals read to measure a quantized model: the quantization constants that
+get_memory_footprint does not count (4-bit `QuantState`, 8-bit `SCB`), which are not parameters."""
+
+from __future__ import annotations
+
+from torch import nn
+
+WRITTEN_FOR = "bitsandbytes>=0.50,<0.51"
+
+
+def quant_state_bytes(model: nn.Module) -> int:
+    """bitsandbytes' scales in a loaded model, in bytes."""
+    total = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        qs = getattr(w, "quant_state", None)
+        if qs is not None:
+            total += qs.absmax.numel() * qs.absmax.element_size()
+            if getattr(qs, "state2", None) is not None:
+                s2 = qs.state2
+                total += s2.absmax.numel() * s2.absmax.element_size() + s2.code.numel() * s2.code.element_size()
+                total += qs.offset.numel() * qs.offset.element_size() if qs.offset is not None else 0
+        scb = getattr(w, "SCB", None)
+        if scb is not None and not any(scb is b for b in mod.buffers()):
+            total += scb.numel() * scb.element_size()
+    return total
