@@ -9,17 +9,15 @@ import json
 from pathlib import Path
 
 from flows.compare import Comparison, is_share, pm, render, runs_csv
-from stages.engine.remote_store import RemoteStore
 from stages.engine.store import Store
 
 
-def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
+def sweep_dir(store: Store, name: str) -> Path:
     """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    local = store.local if isinstance(store, RemoteStore) else store
-    return local.root / "sweeps" / name
+    return store.local.root / "sweeps" / name
 
 
-def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
+def write_outputs(c: Comparison, store: Store) -> dict[str, Path]:
     folder = sweep_dir(store, c.sweep.name)
     folder.mkdir(parents=True, exist_ok=True)
     files = {"table": folder / "comparison.md", "json": folder / "comparison.json", "csv": folder / "runs.csv",
@@ -45,7 +43,7 @@ def loss_curve(folder: Path) -> list[tuple[int, float]]:
     return out
 
 
-def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
+def plot(c: Comparison, store: Store, out: Path) -> None:
     """Left: the metric per variant (mean, sd bar, one dot per seed). Right: every run's training loss."""
     import matplotlib
 

@@ -13,6 +13,10 @@ A stage is written to .tmp, its files hashed into manifest.json (written last), 
 into place: a reader sees all of it or none of it. An artifact counts as cached only when its manifest
 parses and every file has the recorded size (and sha256, with verify=True); anything else is a
 warning and a recompute, never a crash.
+
+`Store` holds the one skeleton (cached -> lock -> compute -> commit -> publish). A shared store on an
+fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and three
+hooks overridden: `fetch` (download a hit), `publish` (upload a commit) and `try_lock` (a lease).
 """
 
 from __future__ import annotations
@@ -268,7 +272,7 @@ class Store:
 
     # ------------------------------------------------------------ running
     def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
-        """The manifest when sk's artifact is a valid hit, else (None, why it is not)."""
+        """The manifest when sk's artifact is a valid hit (fetched to a local folder), else (None, why not)."""
         problems = self.problems(sk.stage, sk.key, verify=verify)
         if problems:
             return None, "; ".join(problems)
@@ -278,6 +282,8 @@ class Store:
             recorded = manifest.get("upstream", {}).get(name, {}).get("digest")
             if recorded != digest:
                 return None, f"upstream {name} content changed since this artifact was made"
+        if self.fetch(sk.stage, sk.key, manifest) is None:
+            return None, "download failed"
         return manifest, "cached"
 
     def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
@@ -296,9 +302,23 @@ class Store:
                 log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], why)
             outcome = self.compute(sk, body, pipeline=pipeline, config=config, upstream_digests=upstream_digests,
                                    reason=reason)
+            self.publish(sk.stage, sk.key)
             self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
                            duration_s=outcome.manifest["duration_s"])
             return outcome
+
+    # ------------------------------------------------------------ hooks a shared store overrides
+    @property
+    def local(self) -> Store:
+        """The store on this machine's disk that holds the folders stages read (itself, here)."""
+        return self
+
+    def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
+        """A valid artifact as a local folder (here it already is one)."""
+        return self.artifact_dir(stage, key)
+
+    def publish(self, stage: str, key: str) -> None:
+        """Make a freshly committed local artifact visible to other machines (here it already is)."""
 
     def compute(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
                 config: dict[str, Any], upstream_digests: dict[str, str], reason: str) -> Outcome:

@@ -62,7 +62,7 @@ def test_only_on_a_fresh_cache_downloads_upstream(store, tmp_path, monkeypatch):
     assert forced["tokenize"].manifest["upstream"]["data"]["digest"] == first["data"].manifest["digest"]
 
 
-def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
+def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch, caplog):
     url = f"memory://store-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("FINETUNE_STORE", url)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
@@ -80,7 +80,9 @@ def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
     blob = store.fs.cat_file(store._r("data", first["data"].key, "test.arrow"))
     store.fs.pipe_file(store._r("data", first["data"].key, "test.arrow"), blob[:-5])
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache3"))
-    assert computed(runs()) == {"data"}
+    with caplog.at_level("WARNING", logger="finetune.store"):
+        assert computed(runs()) == {"data"}
+    assert "data: artifact" in caplog.text and "is invalid (test.arrow: size" in caplog.text  # as locally
 
 
 def test_second_machine_reuses_the_shared_store(tmp_path, monkeypatch):
