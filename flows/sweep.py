@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_adhoc_args(p)
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="child runs at once (default 1); each "
                    "runs in its own process")
+    p.add_argument("--on-workers", action="store_true", help="run each child as a run of the finetune/<pipeline> "
+                   "deployment, picked up by a work pool's workers (needs PREFECT_API_URL; docs/two-machines.md)")
     return p
 
 
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
         stop_cleanly_on_signals()
         named = not (args.grid or args.seeds)
-        state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw), return_state=True)
+        state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw),
+                          on_workers=args.on_workers, return_state=True)
         adhoc_args = [sw.config.pipeline, *(a for g in args.grid for a in ("--grid", g)),
                       *(a for o in args.overrides for a in ("--set", o)),
                       *(["--seeds", ",".join(map(str, args.seeds))] if args.seeds else []),

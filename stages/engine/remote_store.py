@@ -151,6 +151,54 @@ class RemoteStore(Store):
             self.fs.put_file(str(final / f["path"]), f"{remote}/{f['path']}")
         self.fs.put_file(str(final / MANIFEST), f"{remote}/{MANIFEST}")
 
+    # ------------------------------------------------------------ work (checkpoints) on the shared store
+    # `.work/<stage>-<key>/` mirrors a computing key's work_dir with only its newest saved folder, and
+    # `latest.json` (written after that folder's files) names it: a run of the key on another machine
+    # downloads it and resumes. A folder whose upload was cut off lacks its last file (progress.json for a
+    # checkpoint), which the stage's own loader already treats as incomplete.
+    def _work_url(self, stage: str, key: str, *parts: str) -> str:
+        return self._r(".work", f"{stage}-{key}", *parts)
+
+    def publish_work(self, stage: str, key: str, folder: Path) -> None:
+        """Upload `folder` (its file written last, last), the work_dir's files outside its parent folder
+        (logs...), then latest.json; the folder replaces its siblings on the shared store."""
+        work, remote = self.work_dir(stage, key), self._work_url(stage, key)
+        files = [p for p in sorted(work.rglob("*")) if p.is_file() and not p.name.startswith(".tmp-")]
+        inside = sorted((p for p in files if folder in p.parents), key=lambda p: p.stat().st_mtime_ns)
+        outside = [p for p in files if folder.parent not in p.parents]
+        for p in [*outside, *inside]:
+            self.fs.put_file(str(p), f"{remote}/{p.relative_to(work)}")
+        self.fs.pipe_file(f"{remote}/latest.json", json.dumps(
+            {"folder": str(folder.relative_to(work)), "time": now_iso(), "host": socket.gethostname()}).encode())
+        parent = "/".join([remote, *folder.parent.relative_to(work).parts])
+        self.fs.invalidate_cache(parent)
+        for other in self.fs.ls(parent, detail=True):
+            if other["type"] == "directory" and other["name"].rstrip("/").rsplit("/", 1)[-1] != folder.name:
+                self.fs.rm(other["name"], recursive=True)
+
+    def fetch_work(self, stage: str, key: str) -> None:
+        remote, work = self._work_url(stage, key), self.work_dir(stage, key)
+        try:
+            latest = json.loads(self.fs.cat_file(f"{remote}/latest.json"))
+        except (FileNotFoundError, ValueError):
+            return
+        if (work / latest["folder"]).is_dir():
+            return  # this machine wrote it (or fetched it) itself
+        log.info("%s: resuming from %s saved on %s at %s", stage, latest["folder"], latest.get("host"),
+                 latest.get("time"))
+        shutil.rmtree(work, ignore_errors=True)
+        prefix = self.fs._strip_protocol(remote).rstrip("/") + "/"
+        for path in self.fs.find(remote):
+            rel = self.fs._strip_protocol(path)[len(prefix):]
+            if rel != "latest.json":
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(work / rel))
+        work.mkdir(parents=True, exist_ok=True)
+
+    def drop_work(self, stage: str, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._work_url(stage, key), recursive=True)
+
     # ------------------------------------------------------------ refs + events
     def refs(self, pipeline: str) -> dict[str, str]:
         try:

@@ -30,6 +30,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -93,6 +94,16 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+_work_saved: ContextVar[Callable[[Path], None] | None] = ContextVar("work_saved", default=None)
+
+
+def work_saved(folder: Path) -> None:
+    """A stage body wrote a resumable state (a checkpoint folder) under its work_dir: a shared store
+    publishes it now, so a run of the same key on another machine resumes from it."""
+    if (publish := _work_saved.get()) is not None:
+        publish(folder)
 
 
 def files_digest(files: list[dict[str, Any]]) -> str:
@@ -320,6 +331,15 @@ class Store:
     def publish(self, stage: str, key: str) -> None:
         """Make a freshly committed local artifact visible to other machines (here it already is)."""
 
+    def fetch_work(self, stage: str, key: str) -> None:
+        """Before a body runs: bring the key's newest published work (checkpoints) into work_dir."""
+
+    def publish_work(self, stage: str, key: str, folder: Path) -> None:
+        """A body saved `folder` under work_dir (see `work_saved`): share it (here the folder is enough)."""
+
+    def drop_work(self, stage: str, key: str) -> None:
+        """After the commit: forget the key's published work."""
+
     def compute(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
                 config: dict[str, Any], upstream_digests: dict[str, str], reason: str) -> Outcome:
         """Run body into a temporary folder and commit it as sk's artifact. The caller holds sk's lock."""
@@ -330,15 +350,20 @@ class Store:
         started, t0 = now_iso(), time.perf_counter()
         work = self.work_dir(sk.stage, sk.key)
         work.mkdir(parents=True, exist_ok=True)
+        self.fetch_work(sk.stage, sk.key)
+        token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
         try:
             metrics = body(tmp, work) or {}
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            _work_saved.reset(token)
         manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
                                         time.perf_counter() - t0)
         self.commit_folder(tmp, final)
         shutil.rmtree(work, ignore_errors=True)
+        self.drop_work(sk.stage, sk.key)
         return Outcome(sk.stage, sk.key, final, True, reason, manifest)
 
     def _clear_tmp(self, sk: StageKey) -> None:
