@@ -86,3 +86,37 @@ def test_dead_holders_lease_expires_a_live_holders_never(url, tmp_path):
     live.wait(30)
     with other.try_lock("long") as held:
         assert held
+
+
+def test_a_crashed_runs_newest_checkpoint_resumes_on_another_machine(url, tmp_path):
+    from stages.engine.store import StageKey, work_saved
+
+    sk = StageKey("train", {"lr": 1}, {}, {}, "code", (), {})
+
+    def crashing(out: Path, work: Path) -> None:  # saves step-1, then step-2 (replacing it there), dies
+        for step in (1, 2):
+            ck = work / "checkpoints" / f"step-{step}"
+            ck.mkdir(parents=True)
+            (ck / "weights").write_text(f"w{step}")
+            (ck / "progress.json").write_text(json.dumps({"step": step}))
+            work_saved(ck)
+        (work / "logs").mkdir()
+        raise RuntimeError("machine a died")
+
+    a = RemoteStore(url, cache=tmp_path / "a")
+    with pytest.raises(RuntimeError):
+        a.run(sk, crashing, pipeline="p", config={})
+    remote = sorted(p.rsplit(f"train-{sk.key}/", 1)[1] for p in a.fs.find(a._work_url("train", sk.key)))
+    assert remote == ["checkpoints/step-2/progress.json", "checkpoints/step-2/weights", "latest.json"]
+
+    seen = {}
+
+    def resuming(out: Path, work: Path) -> dict:
+        seen["found"] = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
+        (out / "weights").write_text("final")
+        return {}
+
+    b = RemoteStore(url, cache=tmp_path / "b")  # another machine: an empty local cache
+    assert b.run(sk, resuming, pipeline="p", config={}).computed
+    assert seen["found"] == ["checkpoints/step-2/progress.json", "checkpoints/step-2/weights"]
+    assert not b.fs.exists(b._work_url("train", sk.key))  # committed: the shared work is dropped
