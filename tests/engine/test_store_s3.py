@@ -26,15 +26,16 @@ MACHINE = textwrap.dedent("""
     from stages.engine.remote_store import RemoteStore
     url, cache, mode = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     store = RemoteStore(url, cache=cache)
-    if mode == "race":  # trial i starts at t0 + i*step on both machines; the winner holds to the end
-        t0, step, n = float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+    if mode == "race":  # trial i starts at t0 + i*step on both machines; a winner holds its lease to the end
+        import contextlib
+        print("ready", flush=True)
+        t0, step, n = float(sys.stdin.readline()), float(sys.argv[4]), int(sys.argv[5])
         won = []
-        for i in range(n):
-            time.sleep(max(0.0, t0 + i * step - time.time()))
-            with store.try_lock(f"race-{i}") as held:
-                won.append(held)
-                time.sleep(max(0.0, t0 + (i + 0.8) * step - time.time()))
-        print(json.dumps(won))
+        with contextlib.ExitStack() as held_leases:
+            for i in range(n):
+                time.sleep(max(0.0, t0 + i * step - time.time()))
+                won.append(held_leases.enter_context(store.try_lock(f"race-{i}")))
+            print(json.dumps(won), flush=True)
     else:  # hold one key for sys.argv[4] seconds
         with store.try_lock("long") as held:
             print("held" if held else "refused", flush=True)
@@ -46,7 +47,7 @@ MACHINE = textwrap.dedent("""
 def machine(s3_store_url: str, cache: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", MACHINE, s3_store_url, str(cache), *args], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, stdout=subprocess.PIPE,
-                            text=True)
+                            stdin=subprocess.PIPE, text=True)
 
 
 @pytest.fixture
@@ -55,9 +56,14 @@ def url(s3_endpoint) -> str:
 
 
 def test_two_machines_racing_for_one_key_exactly_one_wins(url, tmp_path):
-    n, step = 50, 0.4
-    t0 = time.time() + 4  # both started and imported before the first trial
-    procs = [machine(url, tmp_path / name, "race", str(t0), str(step), str(n)) for name in ("a", "b")]
+    n, step = 50, 0.2
+    procs = [machine(url, tmp_path / name, "race", str(step), str(n)) for name in ("a", "b")]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    t0 = time.time() + 1
+    for p in procs:  # both imported and waiting: each trial is two creates of one key at the same instant
+        p.stdin.write(f"{t0}\n")
+        p.stdin.flush()
     a, b = (json.loads(p.communicate(timeout=120)[0]) for p in procs)
     assert [x + y for x, y in zip(a, b, strict=True)] == [1] * n  # every trial: one winner, one refused
 
