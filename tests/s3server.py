@@ -1,5 +1,10 @@
 """An S3 API on 127.0.0.1 for tests: moto's standalone server (what s3fs's own suite runs), started and
-stopped by PID, with boto's standard settings (AWS_ENDPOINT_URL, dummy credentials) pointing at it."""
+stopped by PID, with boto's standard settings (AWS_ENDPOINT_URL, dummy credentials) pointing at it.
+
+It serves one request at a time. `python -m moto.server` answers each request in a thread, and its
+conditional put reads "does the key exist" and writes in two steps without a lock: two concurrent
+`If-None-Match: *` puts both passed in 1 of 50 races here. S3 itself decides conditional writes on a key
+one at a time; a single-threaded moto does the same."""
 
 from __future__ import annotations
 
@@ -12,6 +17,15 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+
+
+SERVE = """
+import sys
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app), threaded=False,
+           request_handler=MotoRequestHandler)
+"""
 
 
 def free_port() -> int:
@@ -29,7 +43,7 @@ def s3_env(endpoint: str) -> dict[str, str]:
 def moto_server() -> Iterator[str]:
     """Yield the endpoint URL of a fresh moto server; the server is killed (by its PID) on exit."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
