@@ -6,7 +6,7 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
     s3 vs local       the same sweep rerun fully cached on 2 workers, store on s3:// vs a local path
                       (both workers on this computer see it): wall time, and the ratio
 
-    nice -n 19 .venv/bin/python bench/scale_out.py [--work DIR]
+    .venv/bin/python bench/scale_out.py [--work DIR]
 
 Goals (issue 22): >= 1.7x for 2 workers on 2 free cores; <= 1.2x for the cached rerun on s3. The load
 average is printed beside the numbers: on a shared machine the first ratio is bounded by the cores

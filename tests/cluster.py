@@ -43,7 +43,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 300) -> str:
+def run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 600) -> str:
     out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
