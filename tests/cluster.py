@@ -23,7 +23,7 @@ POOL = "two-machines"
 
 
 def deploy_command(pipelines: list[str], pool: str = POOL) -> list[str]:
-    return [sys.executable, "-c", "from prefect import deploy; from flows.serve import deployments; "
+    return [sys.executable, "-c", "from prefect import deploy; from flows.orchestration.serving import deployments; "
             f"deploy(*deployments({pipelines!r}), work_pool_name={pool!r}, ignore_warnings=True)"]
 
 
