@@ -18,7 +18,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-
 SERVE = """
 import sys
 from werkzeug.serving import run_simple
