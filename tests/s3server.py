@@ -2,9 +2,9 @@
 stopped by PID, with boto's standard settings (AWS_ENDPOINT_URL, dummy credentials) pointing at it.
 
 It serves one request at a time. `python -m moto.server` answers each request in a thread, and its
-conditional put reads "does the key exist" and writes in two steps without a lock: two concurrent
-`If-None-Match: *` puts both passed in 1 of 50 races here. S3 itself decides conditional writes on a key
-one at a time; a single-threaded moto does the same."""
+conditional put checks whether the key exists and then writes it, two steps without a lock
+(moto/s3/responses.py, put_object), so two concurrent `If-None-Match: *` creates could both pass. S3
+itself decides conditional writes on a key one at a time; a single-threaded moto does the same."""
 
 from __future__ import annotations
 

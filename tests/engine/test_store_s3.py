@@ -36,6 +36,7 @@ MACHINE = textwrap.dedent("""
                 time.sleep(max(0.0, t0 + i * step - time.time()))
                 won.append(held_leases.enter_context(store.try_lock(f"race-{i}")))
             print(json.dumps(won), flush=True)
+            sys.stdin.readline()  # released once both machines are done: a late one must find them held
     else:  # hold one key for sys.argv[4] seconds
         with store.try_lock("long") as held:
             print("held" if held else "refused", flush=True)
@@ -64,7 +65,9 @@ def test_two_machines_racing_for_one_key_exactly_one_wins(url, tmp_path):
     for p in procs:  # both imported and waiting: each trial is two creates of one key at the same instant
         p.stdin.write(f"{t0}\n")
         p.stdin.flush()
-    a, b = (json.loads(p.communicate(timeout=120)[0]) for p in procs)
+    a, b = (json.loads(p.stdout.readline()) for p in procs)
+    for p in procs:
+        p.communicate("done\n", timeout=120)
     assert [x + y for x, y in zip(a, b, strict=True)] == [1] * n  # every trial: one winner, one refused
 
 
