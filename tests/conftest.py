@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,27 @@ def store_dir(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "store"
     monkeypatch.setenv("FINETUNE_STORE", str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3 API on 127.0.0.1 (moto's server) for this test session, with bucket `finetune-test`; boto's
+    standard settings (AWS_ENDPOINT_URL, dummy keys) point this process and its children at it."""
+    from s3server import moto_server, s3_env
+
+    with moto_server() as endpoint:
+        saved = {k: os.environ.get(k) for k in s3_env(endpoint)}
+        os.environ.update(s3_env(endpoint))
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("finetune-test")
+        try:
+            yield endpoint
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

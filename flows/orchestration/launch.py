@@ -56,6 +56,8 @@ def sweep_parser(prog: str) -> argparse.ArgumentParser:
     add_sweep_args(p)
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="child runs at once (default 1); each "
                    "runs in its own process")
+    p.add_argument("--on-workers", action="store_true", help="run each child as a run of the finetune/<pipeline> "
+                   "deployment, picked up by a work pool's workers (needs PREFECT_API_URL; docs/two-machines.md)")
     return p
 
 
@@ -77,7 +79,7 @@ def sweep_main(argv: list[str] | None = None, prog: str = "python -m flows.sweep
             save_definition(sw, open_store())  # `compare --sweep NAME` finds it there
         print(f"sweep {sw.name}; compare it with: {compare_hint(sw)}", flush=True)
         state = run_sweep(sw.name, args.parallel, str(sw.config_file), None if named else spec(sw),
-                          return_state=True)
+                          on_workers=args.on_workers, return_state=True)
         print(f"store: {store_root()}\ncompare: {compare_hint(sw)}")
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)

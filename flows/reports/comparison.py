@@ -19,7 +19,6 @@ from typing import Any
 
 from flows.reports.formatting import label
 from flows.reports.variants import Run, Sweep, short_names
-from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params, flatten
 from stages.engine.store import StageKey, Store
@@ -121,7 +120,7 @@ class Finder:
     """Finds, for a planned key that is not in the store, an artifact made from the same parameters all the
     way up (only code or library versions differ): the results a variant had before the code changed."""
 
-    def __init__(self, store: Store | RemoteStore):
+    def __init__(self, store: Store):
         self.store = store
         self.by_stage: dict[str, list[tuple[str, dict]]] = {}
         for stage, key, _ in store.entries():
@@ -150,7 +149,7 @@ class Finder:
         return True
 
 
-def artifacts(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) -> dict[str, tuple[str, dict]]:
+def artifacts(planned: dict[str, StageKey], store: Store, finder: Finder) -> dict[str, tuple[str, dict]]:
     """stage -> (key, manifest) of the artifact each stage has for this config: its current key, else one made
     from the same parameters by earlier code (stale); a stage with neither is left out."""
     out = {}
@@ -161,7 +160,7 @@ def artifacts(planned: dict[str, StageKey], store: Store | RemoteStore, finder: 
     return out
 
 
-def run_result(run: Run, planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder,
+def run_result(run: Run, planned: dict[str, StageKey], store: Store, finder: Finder,
                shared_keys: Counter) -> RunResult:
     res = RunResult(label=run.label, seed=run.seed, status=NOT_RUN)
     found = artifacts(planned, store, finder)
@@ -191,7 +190,7 @@ def param_value(cfg: PipelineConfig, dotted: str) -> Any:
     return value
 
 
-def compare(sw: Sweep, store: Store | RemoteStore) -> Comparison:
+def compare(sw: Sweep, store: Store) -> Comparison:
     finder = Finder(store)
     plans = {r.label: {p.key.stage: p.key for p in plan(r.cfg)} for r in sw.runs}
     # a stage is shared when another *variant* has its key (a variant's seeds share more among themselves)

@@ -9,14 +9,13 @@ from typing import Any
 
 from flows.reports.comparison import Finder, artifacts, evaluate_metrics
 from flows.reports.formatting import label
-from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params, flatten, why_changed
 from stages.engine.store import StageKey, Store
 from stages.graph import plan
 
 
-def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> dict[str, Any]:
+def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:
     """Stages shared or differing (and why), parameters and metrics that differ, from the store."""
     pa, pb = {p.key.stage: p.key for p in plan(a)}, {p.key.stage: p.key for p in plan(b)}
     stages = []
@@ -44,7 +43,7 @@ def _sections(cfg: PipelineConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"name", "description", "extends", "overrides"})
 
 
-def _stored_metrics(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) \
+def _stored_metrics(planned: dict[str, StageKey], store: Store, finder: Finder) \
         -> dict[str, tuple[float, bool]]:
     """metric -> (value, stale): the evaluate stage's and a few of train's, from the artifacts this config has."""
     out: dict[str, tuple[float, bool]] = {}

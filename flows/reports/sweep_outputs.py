@@ -11,11 +11,10 @@ from flows.reports.comparison import Comparison, is_share, pm, render, runs_csv
 from flows.reports.formatting import inline_png
 from flows.reports.train_history import read_history, train_losses
 from flows.reports.variants import sweep_dir
-from stages.engine.remote_store import RemoteStore
 from stages.engine.store import Store
 
 
-def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
+def write_outputs(c: Comparison, store: Store) -> dict[str, Path]:
     folder = sweep_dir(store, c.sweep.name)
     folder.mkdir(parents=True, exist_ok=True)
     files = {"table": folder / "comparison.md", "json": folder / "comparison.json", "csv": folder / "runs.csv",
@@ -27,7 +26,7 @@ def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
     return files
 
 
-def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
+def plot(c: Comparison, store: Store, out: Path) -> None:
     """Left: the metric per variant (mean, sd bar, one dot per seed). Right: every run's training loss."""
     import matplotlib
 

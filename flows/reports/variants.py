@@ -37,7 +37,7 @@ from stages.engine.config import (
 )
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
-from stages.engine.remote_store import RemoteStore, open_store
+from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig, SweepConfig
 from stages.engine.store import Store, write_json_atomic
 from stages.graph import precheck
@@ -159,13 +159,12 @@ def from_spec(name: str, body: dict[str, Any], config_file: Path | str = DEFAULT
     return expand(validate_sweep(name, body, where, doc), config_file)
 
 
-def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
+def sweep_dir(store: Store, name: str) -> Path:
     """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    local = store.local if isinstance(store, RemoteStore) else store
-    return local.root / "sweeps" / name
+    return store.local.root / "sweeps" / name
 
 
-def save_definition(s: Sweep, store: Store | RemoteStore) -> Path:
+def save_definition(s: Sweep, store: Store) -> Path:
     """Keep an ad-hoc sweep's definition (and the pipeline file it read) in its folder of the store."""
     path = sweep_dir(store, s.name) / "sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +172,7 @@ def save_definition(s: Sweep, store: Store | RemoteStore) -> Path:
     return path
 
 
-def stored(name: str, store: Store | RemoteStore) -> Sweep | None:
+def stored(name: str, store: Store) -> Sweep | None:
     """The ad-hoc sweep `name` as the store keeps it (None when it never ran)."""
     path = sweep_dir(store, name) / "sweep.json"
     if not path.is_file():

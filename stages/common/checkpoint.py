@@ -8,7 +8,9 @@ One checkpoint is a folder `step-000050/` holding
   best.safetensors        with train.select_best: the best evaluation's trainable weights so far (a hard
                           link to the one file stages/common/health.py keeps, not a second copy)
 It is written as `.tmp-*` and renamed into place (progress.json last, then the rename), so a kill at
-any moment leaves either the whole checkpoint or none; only the last `keep` are kept.
+any moment leaves either the whole checkpoint or none; only the last `keep` are kept. On a shared store
+(s3://...) each checkpoint is also uploaded as it is written, replacing the previous one there, so a run
+of the same key on another machine resumes from it (stages/engine/remote_store.py, publish_work).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.engine.store import fsync_path
+from stages.engine.store import fsync_path, work_saved
 
 CKPT_RE = re.compile(r"^step-(\d{6,})$")
 
@@ -137,6 +139,7 @@ def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Modu
     fsync_path(root)
     for _, old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    work_saved(final)  # on a shared store: uploaded now, the newest one only, so another machine resumes
     return final
 
 

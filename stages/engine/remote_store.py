@@ -6,14 +6,16 @@ cache. Same layout and manifest as the local store; what changes is how the guar
   killed halfway) is never a hit, and is overwritten by the next writer. Object stores have no atomic
   folder rename; the marker written last gives readers the same all-or-nothing view.
 - Lock: a local flock (processes on this machine) plus a lease object `<root>/.locks/<key>.lock`
-  created with exclusive create (`xb`) where the filesystem supports it; a lease older than
-  `LEASE_TTL_S` is taken over (its writer died).
+  (see `stages.engine.lease`): created only if absent (S3's `If-None-Match: *`), renewed by a heartbeat
+  while its holder lives, taken over once not renewed for its TTL (a dead holder).
 - Stages need local folders: artifacts are downloaded once into a local cache
   ($FINETUNE_CACHE, default ~/.cache/finetune/<hash of the URL>), verified by size, and handed on.
 - events.jsonl cannot be appended to on an object store: one small JSON object per event instead.
 
-`file://` URLs use the local store (rename + flock keep their full strength there). `RemoteStore` has the
-local store's interface and holds a local store (its cache) by composition; `open_store` picks one.
+`file://` URLs use the local store (rename + flock keep their full strength there). `RemoteStore` is a
+`Store` rooted at its local cache, so computing and committing are the local store's; it overrides the
+reads (against the URL) and the fetch/publish/lock hooks. `open_store` picks one. On S3 the endpoint and
+credentials come from boto's standard settings (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ~/.aws/...).
 """
 
 from __future__ import annotations
@@ -25,28 +27,29 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fsspec
 
 from stages.engine.config import store_root
-from stages.engine.fingerprint import HashMemo, sha256_text
-from stages.engine.store import MANIFEST, Outcome, StageKey, Store, log, now_iso
+from stages.engine.fingerprint import sha256_text
+from stages.engine.lease import Lease
+from stages.engine.store import MANIFEST, Store, log, now_iso
 
-LEASE_TTL_S = 6 * 3600
 POLL_S = 0.5
 
 
-class RemoteStore:
-    """The store on an fsspec URL, with a local store as its cache (`self.local`)."""
+class RemoteStore(Store):
+    """The store on an fsspec URL, rooted at its local cache (`self.local`)."""
 
     def __init__(self, url: str, cache: Path | None = None):
         self.url = url.rstrip("/")
         self.fs, self.base = fsspec.core.url_to_fs(self.url)
         cache_root = cache or Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
-        self.local = Store(cache_root / sha256_text(self.url)[:16])
+        super().__init__(cache_root / sha256_text(self.url)[:16])
+        self._cache = Store(self.root)
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url})"
@@ -54,15 +57,9 @@ class RemoteStore:
     def __str__(self) -> str:
         return self.url
 
-    # ------------------------------------------------------------ layout (local folders)
-    def artifact_dir(self, stage: str, key: str) -> Path:
-        return self.local.artifact_dir(stage, key)
-
-    def work_dir(self, stage: str, key: str) -> Path:
-        return self.local.work_dir(stage, key)
-
-    def hashes(self) -> HashMemo:
-        return self.local.hashes()
+    @property
+    def local(self) -> Store:
+        return self._cache
 
     def location(self, stage: str, key: str) -> str:
         return f"{self.url}/{stage}/{key}"
@@ -96,7 +93,7 @@ class RemoteStore:
             if size != f["size"]:
                 out.append(f"{f['path']}: size {size} != {f['size']}")
         if verify and not out:
-            local = self._download(stage, key, manifest)
+            local = self.fetch(stage, key, manifest)
             out = self.local.problems(stage, key, verify=True) if local else ["download failed"]
         return out
 
@@ -116,9 +113,6 @@ class RemoteStore:
                 if len(key) == 64:
                     yield name, key, self.artifact_dir(name, key)
 
-    def verify_all(self, full: bool = True) -> dict[str, list[str]]:
-        return {f"{s}/{k}": p for s, k, _ in self.entries() if (p := self.problems(s, k, verify=full))}
-
     def remove(self, stage: str, key: str) -> bool:
         """Delete the shared artifact and its local copy unless a run (here or elsewhere) holds the key."""
         with self.try_lock(key, what=f"gc {stage}") as held:
@@ -128,14 +122,11 @@ class RemoteStore:
             shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
             return True
 
-    def work_entries(self) -> Iterator[tuple[str, str, Path]]:
-        return self.local.work_entries()  # scratch is always local to the machine that computes
-
     def remove_work(self, stage: str, key: str) -> bool:
-        return self.local.remove_work(stage, key)
+        return self.local.remove_work(stage, key)  # scratch is local to the machine that computes
 
-    # ------------------------------------------------------------ local copies
-    def _download(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
+    # ------------------------------------------------------------ fetch + publish
+    def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
         """The artifact as a local folder (cached; re-fetched when sizes disagree)."""
         local = self.artifact_dir(stage, key)
         if not self.local.problems(stage, key) and self.local.read_manifest(stage, key) == manifest:
@@ -150,7 +141,7 @@ class RemoteStore:
         self.local.commit_folder(tmp, local)
         return local
 
-    def _upload(self, stage: str, key: str) -> None:
+    def publish(self, stage: str, key: str) -> None:
         """A freshly computed local artifact to the shared store, manifest last (the commit marker)."""
         final, remote = self.artifact_dir(stage, key), self._r(stage, key)
         if self.fs.exists(remote):  # a forced recompute or a half-uploaded artifact: invalidate it first
@@ -159,6 +150,54 @@ class RemoteStore:
         for f in manifest["files"]:
             self.fs.put_file(str(final / f["path"]), f"{remote}/{f['path']}")
         self.fs.put_file(str(final / MANIFEST), f"{remote}/{MANIFEST}")
+
+    # ------------------------------------------------------------ work (checkpoints) on the shared store
+    # `.work/<stage>-<key>/` mirrors a computing key's work_dir with only its newest saved folder, and
+    # `latest.json` (written after that folder's files) names it: a run of the key on another machine
+    # downloads it and resumes. A folder whose upload was cut off lacks its last file (progress.json for a
+    # checkpoint), which the stage's own loader already treats as incomplete.
+    def _work_url(self, stage: str, key: str, *parts: str) -> str:
+        return self._r(".work", f"{stage}-{key}", *parts)
+
+    def publish_work(self, stage: str, key: str, folder: Path) -> None:
+        """Upload `folder` (its file written last, last), the work_dir's files outside its parent folder
+        (logs...), then latest.json; the folder replaces its siblings on the shared store."""
+        work, remote = self.work_dir(stage, key), self._work_url(stage, key)
+        files = [p for p in sorted(work.rglob("*")) if p.is_file() and not p.name.startswith(".tmp-")]
+        inside = sorted((p for p in files if folder in p.parents), key=lambda p: p.stat().st_mtime_ns)
+        outside = [p for p in files if folder.parent not in p.parents]
+        for p in [*outside, *inside]:
+            self.fs.put_file(str(p), f"{remote}/{p.relative_to(work)}")
+        self.fs.pipe_file(f"{remote}/latest.json", json.dumps(
+            {"folder": str(folder.relative_to(work)), "time": now_iso(), "host": socket.gethostname()}).encode())
+        parent = "/".join([remote, *folder.parent.relative_to(work).parts])
+        self.fs.invalidate_cache(parent)
+        for other in self.fs.ls(parent, detail=True):
+            if other["type"] == "directory" and other["name"].rstrip("/").rsplit("/", 1)[-1] != folder.name:
+                self.fs.rm(other["name"], recursive=True)
+
+    def fetch_work(self, stage: str, key: str) -> None:
+        remote, work = self._work_url(stage, key), self.work_dir(stage, key)
+        try:
+            latest = json.loads(self.fs.cat_file(f"{remote}/latest.json"))
+        except (FileNotFoundError, ValueError):
+            return
+        if (work / latest["folder"]).is_dir():
+            return  # this machine wrote it (or fetched it) itself
+        log.info("%s: resuming from %s saved on %s at %s", stage, latest["folder"], latest.get("host"),
+                 latest.get("time"))
+        shutil.rmtree(work, ignore_errors=True)
+        prefix = self.fs._strip_protocol(remote).rstrip("/") + "/"
+        for path in self.fs.find(remote):
+            rel = self.fs._strip_protocol(path)[len(prefix):]
+            if rel != "latest.json":
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(work / rel))
+        work.mkdir(parents=True, exist_ok=True)
+
+    def drop_work(self, stage: str, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self._work_url(stage, key), recursive=True)
 
     # ------------------------------------------------------------ refs + events
     def refs(self, pipeline: str) -> dict[str, str]:
@@ -197,21 +236,15 @@ class RemoteStore:
 
     # ------------------------------------------------------------ locking
     @contextlib.contextmanager
-    def lock(self, key: str, what: str = "") -> Iterator[None]:
-        with self.try_lock(key, wait=True, what=what):
-            yield
-
-    @contextlib.contextmanager
     def try_lock(self, key: str, wait: bool = False, what: str = "") -> Iterator[bool]:
         """This machine's processes (the local flock), then other machines (a lease object)."""
         with self.local.try_lock(key, wait=wait, what=what) as held:
             if not held:
                 yield False
                 return
-            lease = self._r(".locks", f"{key}.lock")
-            self.fs.makedirs(self._r(".locks"), exist_ok=True)
+            lease = Lease(self.fs, self._r(".locks", f"{key}.lock"))
             announced = False
-            while not self._take_lease(lease):
+            while not lease.acquire():
                 if not wait:
                     yield False
                     return
@@ -222,63 +255,10 @@ class RemoteStore:
             try:
                 yield True
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm_file(lease)
-
-    def _take_lease(self, lease: str) -> bool:
-        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}).encode()
-        try:
-            with self.fs.open(lease, "xb") as f:
-                f.write(body)
-            return True
-        except FileExistsError:
-            try:
-                held = json.loads(self.fs.cat_file(lease))
-            except (FileNotFoundError, ValueError):
-                return False
-            if time.time() - held.get("time", 0) > LEASE_TTL_S:
-                log.warning("lease %s is older than %d s; its holder died, taking it over", lease, LEASE_TTL_S)
-                self.fs.rm_file(lease)
-            return False
-        except (NotImplementedError, ValueError):  # no exclusive create on this filesystem: best effort
-            self.fs.pipe_file(lease, body)
-            return True
-
-    # ------------------------------------------------------------ running
-    def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
-        """Like Store.cached, against the shared store; a hit is downloaded into the local cache."""
-        problems = self.problems(sk.stage, sk.key, verify=verify)
-        if problems:
-            return None, "; ".join(problems)
-        manifest = self.read_manifest(sk.stage, sk.key)
-        assert manifest is not None
-        for name, digest in upstream_digests.items():
-            if manifest.get("upstream", {}).get(name, {}).get("digest") != digest:
-                return None, f"upstream {name} content changed since this artifact was made"
-        if self._download(sk.stage, sk.key, manifest) is None:
-            return None, "download failed"
-        return manifest, "cached"
-
-    def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
-            config: dict[str, Any], upstream_digests: dict[str, str] | None = None, force: bool = False,
-            verify: bool = False) -> Outcome:
-        """Store.run against the shared store: computed locally, then uploaded (manifest last)."""
-        upstream_digests = upstream_digests or {}
-        with self.lock(sk.key, sk.stage):
-            manifest, why = self.cached(sk, upstream_digests, verify)
-            if manifest is not None and not force:
-                self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
-                return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
-            reason = "forced" if force else why
-            outcome = self.local.compute(sk, body, pipeline=pipeline, config=config,
-                                         upstream_digests=upstream_digests, reason=reason)
-            self._upload(sk.stage, sk.key)
-            self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
-                           duration_s=outcome.manifest["duration_s"])
-            return outcome
+                lease.release()
 
 
-def open_store(root: str | Path | None = None) -> Store | RemoteStore:
+def open_store(root: str | Path | None = None) -> Store:
     """The store at root (default: $FINETUNE_STORE or artifacts/): a local path, a file:// URL (the local
     store), or any other fsspec URL (s3://, gs://, memory://...)."""
     raw = str(root if root is not None else store_root())

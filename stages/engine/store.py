@@ -13,6 +13,10 @@ A stage is written to .tmp, its files hashed into manifest.json (written last), 
 into place: a reader sees all of it or none of it. An artifact counts as cached only when its manifest
 parses and every file has the recorded size (and sha256, with verify=True); anything else is a
 warning and a recompute, never a crash.
+
+`Store` holds the one skeleton (cached -> lock -> compute -> commit -> publish). A shared store on an
+fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and three
+hooks overridden: `fetch` (download a hit), `publish` (upload a commit) and `try_lock` (a lease).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -89,6 +94,16 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+_work_saved: ContextVar[Callable[[Path], None] | None] = ContextVar("work_saved", default=None)
+
+
+def work_saved(folder: Path) -> None:
+    """A stage body wrote a resumable state (a checkpoint folder) under its work_dir: a shared store
+    publishes it now, so a run of the same key on another machine resumes from it."""
+    if (publish := _work_saved.get()) is not None:
+        publish(folder)
 
 
 def files_digest(files: list[dict[str, Any]]) -> str:
@@ -268,7 +283,7 @@ class Store:
 
     # ------------------------------------------------------------ running
     def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
-        """The manifest when sk's artifact is a valid hit, else (None, why it is not)."""
+        """The manifest when sk's artifact is a valid hit (fetched to a local folder), else (None, why not)."""
         problems = self.problems(sk.stage, sk.key, verify=verify)
         if problems:
             return None, "; ".join(problems)
@@ -278,6 +293,8 @@ class Store:
             recorded = manifest.get("upstream", {}).get(name, {}).get("digest")
             if recorded != digest:
                 return None, f"upstream {name} content changed since this artifact was made"
+        if self.fetch(sk.stage, sk.key, manifest) is None:
+            return None, "download failed"
         return manifest, "cached"
 
     def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
@@ -296,9 +313,32 @@ class Store:
                 log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], why)
             outcome = self.compute(sk, body, pipeline=pipeline, config=config, upstream_digests=upstream_digests,
                                    reason=reason)
+            self.publish(sk.stage, sk.key)
             self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
                            duration_s=outcome.manifest["duration_s"])
             return outcome
+
+    # ------------------------------------------------------------ hooks a shared store overrides
+    @property
+    def local(self) -> Store:
+        """The store on this machine's disk that holds the folders stages read (itself, here)."""
+        return self
+
+    def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
+        """A valid artifact as a local folder (here it already is one)."""
+        return self.artifact_dir(stage, key)
+
+    def publish(self, stage: str, key: str) -> None:
+        """Make a freshly committed local artifact visible to other machines (here it already is)."""
+
+    def fetch_work(self, stage: str, key: str) -> None:
+        """Before a body runs: bring the key's newest published work (checkpoints) into work_dir."""
+
+    def publish_work(self, stage: str, key: str, folder: Path) -> None:
+        """A body saved `folder` under work_dir (see `work_saved`): share it (here the folder is enough)."""
+
+    def drop_work(self, stage: str, key: str) -> None:
+        """After the commit: forget the key's published work."""
 
     def compute(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
                 config: dict[str, Any], upstream_digests: dict[str, str], reason: str) -> Outcome:
@@ -310,15 +350,20 @@ class Store:
         started, t0 = now_iso(), time.perf_counter()
         work = self.work_dir(sk.stage, sk.key)
         work.mkdir(parents=True, exist_ok=True)
+        self.fetch_work(sk.stage, sk.key)
+        token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
         try:
             metrics = body(tmp, work) or {}
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            _work_saved.reset(token)
         manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
                                         time.perf_counter() - t0)
         self.commit_folder(tmp, final)
         shutil.rmtree(work, ignore_errors=True)
+        self.drop_work(sk.stage, sk.key)
         return Outcome(sk.stage, sk.key, final, True, reason, manifest)
 
     def _clear_tmp(self, sk: StageKey) -> None:

@@ -1,5 +1,5 @@
-"""The store's guarantees on every backend: a local path, a file:// URL and fsspec's memory://
-filesystem (standing in for s3:// / gs://: same code path, uploads with the manifest written last)."""
+"""The store's guarantees on every backend: a local path, a file:// URL, fsspec's memory:// filesystem and
+s3:// on a real S3 API (moto's server on 127.0.0.1): the shared-store path, uploads with the manifest last."""
 
 from __future__ import annotations
 
@@ -15,14 +15,17 @@ pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)
 
 
-@pytest.fixture(params=["path", "file", "memory"])
+@pytest.fixture(params=["path", "file", "memory", "s3"])
 def store(request, tmp_path, monkeypatch) -> Store:
+    if request.param == "s3":
+        request.getfixturevalue("s3_endpoint")
     root = {"path": str(tmp_path / "store"), "file": f"file://{tmp_path}/store",
-            "memory": f"memory://store-{uuid.uuid4().hex[:8]}"}[request.param]
+            "memory": f"memory://store-{uuid.uuid4().hex[:8]}",
+            "s3": f"s3://finetune-test/store-{uuid.uuid4().hex[:8]}"}[request.param]
     monkeypatch.setenv("FINETUNE_STORE", root)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     s = open_store()
-    assert isinstance(s, RemoteStore) == (request.param == "memory")
+    assert isinstance(s, RemoteStore) == (request.param in ("memory", "s3"))
     return s
 
 
@@ -62,7 +65,7 @@ def test_only_on_a_fresh_cache_downloads_upstream(store, tmp_path, monkeypatch):
     assert forced["tokenize"].manifest["upstream"]["data"]["digest"] == first["data"].manifest["digest"]
 
 
-def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
+def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch, caplog):
     url = f"memory://store-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("FINETUNE_STORE", url)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
@@ -80,7 +83,9 @@ def test_upload_without_commit_marker_is_never_a_hit(tmp_path, monkeypatch):
     blob = store.fs.cat_file(store._r("data", first["data"].key, "test.arrow"))
     store.fs.pipe_file(store._r("data", first["data"].key, "test.arrow"), blob[:-5])
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache3"))
-    assert computed(runs()) == {"data"}
+    with caplog.at_level("WARNING", logger="finetune.store"):
+        assert computed(runs()) == {"data"}
+    assert "data: artifact" in caplog.text and "is invalid (test.arrow: size" in caplog.text  # as locally
 
 
 def test_second_machine_reuses_the_shared_store(tmp_path, monkeypatch):

@@ -1,0 +1,96 @@
+"""Machines simulated on one computer, for tests/flows/test_two_machines.py and bench/scale_out.py: a real
+Prefect server on a free loopback port (its own PREFECT_HOME), a `process` work pool with finetune
+deployments, and workers that each have their own local cache and folder. Every process is started here
+in a session of its own and stopped by its PID (its process group: the flow runs a worker started go too)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from s3server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+POOL = "two-machines"
+
+
+def deploy_command(pipelines: list[str], pool: str = POOL) -> list[str]:
+    return [sys.executable, "-c", "from prefect import deploy; from flows.orchestration.serving import deployments; "
+            f"deploy(*deployments({pipelines!r}), work_pool_name={pool!r}, ignore_warnings=True)"]
+
+
+def start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run(cmd: list[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 600) -> str:
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def base_env(tmp: Path, store: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(tmp / "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false",
+            "PREFECT_SERVER_LOGGING_LEVEL": "WARNING", "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PREFECT_WORKER_PREFETCH_SECONDS": "1", "OMP_NUM_THREADS": "1", "FINETUNE_STORE": store}
+
+
+@contextlib.contextmanager
+def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str]) -> Iterator[dict[str, str]]:
+    """The Prefect server, the pool and the deployments of `pipelines`; yields env + PREFECT_API_URL."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    proc = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp,
+                 tmp / "server.log")
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{api}/health", timeout=2).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()
+                time.sleep(0.5)
+        env = {**env, "PREFECT_API_URL": api}
+        run([PREFECT, "work-pool", "create", POOL, "--type", "process"], env)
+        run(deploy_command(pipelines), env)
+        yield env
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def machines(env: dict[str, str], tmp: Path, *names: str, **extra: str) -> Iterator[dict[str, subprocess.Popen]]:
+    """One worker per name, each a machine: its own local cache (artifact copies, checkpoints) and folder."""
+    workers = {}
+    try:
+        for name in names:
+            (tmp / name).mkdir(parents=True)
+            workers[name] = start([PREFECT, "worker", "start", "--pool", POOL, "--limit", "1", "--name", name],
+                                  {**env, "FINETUNE_CACHE": str(tmp / name / "cache"), **extra}, tmp / name,
+                                  tmp / name / "worker.log")
+        yield workers
+    finally:
+        for w in workers.values():
+            stop(w)
