@@ -8,9 +8,10 @@ Importing this module runs flows/__init__.py first, which sets the project's Pre
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
-import sys
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
@@ -18,7 +19,8 @@ from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
 from flows.artifacts import publish
-from stages.engine.cli import RESUME_NOTE, describe
+from flows.run_owner import claim_and_reap, current_flow_run_id
+from stages.engine.cli import describe, terminated
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
@@ -77,16 +79,22 @@ def send_stage_logs_to_prefect() -> None:
         stage_log.addHandler(handler)
 
 
+SERVER_WATCH = Path(__file__).with_name("server_watch.py")
+
+
 class _ServerInOwnSession:
     """`subprocess` as Prefect's temporary-server module sees it: the same, except that Popen starts the server
-    in a session of its own."""
+    in a session of its own, watching this process (flows/server_watch.py)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802  (the name it replaces)
-        return subprocess.Popen(*args, **{**kwargs, "start_new_session": True})
+        cmd = list(kwargs.pop("args", None) or args[0])
+        if cmd[1:3] == ["-m", "uvicorn"]:  # the server: stopped with this process, even by kill -9
+            cmd = [cmd[0], str(SERVER_WATCH), str(os.getpid()), *cmd[2:]]
+        return subprocess.Popen(cmd, *args[1:], **{**kwargs, "start_new_session": True})
 
 
 def stop_cleanly_on_signals() -> None:
@@ -99,7 +107,9 @@ def stop_cleanly_on_signals() -> None:
     - SIGTERM: with the default handler the process died at once, leaving the server running, orphaned, on its
       port. Prefect's engine marks the run Crashed and then re-sends the signal to the handler that was there
       before the flow started: this one, installed before it, which exits through SystemExit(143) so that the
-      exit hooks stop the server."""
+      exit hooks stop the server.
+    - kill -9: nothing of this process runs; the server watches it and stops itself (flows/server_watch.py),
+      and the next flow run marks the run Crashed (flows/run_owner.py)."""
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url is None:  # no server configured: Prefect will start a temporary one
@@ -107,11 +117,7 @@ def stop_cleanly_on_signals() -> None:
 
         temporary_server.subprocess = _ServerInOwnSession()  # type: ignore[assignment]
 
-    def _exit(signum: int, frame: object) -> None:
-        print(f"terminated; {RESUME_NOTE}", file=sys.stderr)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGTERM, terminated)
 
 
 class UserErrorTracebackToDebug(logging.Filter):
@@ -150,6 +156,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
              config: str | None = None) -> list[dict[str, Any]] | State:
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
+    claim_and_reap(current_flow_run_id())
     states: dict[str, State] = {}
 
     def run_task(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], *, force: bool,

@@ -28,6 +28,7 @@ from prefect.states import Failed, State
 from flows import compare, sweep_report
 from flows.artifacts import artifact_key
 from flows.flow import finetune
+from flows.run_owner import claim_and_reap, current_flow_run_id
 from flows.variants import Run, Sweep, from_spec, sweep
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
@@ -122,6 +123,7 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     on_workers: each child is a run of the `finetune/<pipeline>` deployment (a work pool spreads them over
     its workers) instead of a process beside this flow."""
     config = config or str(DEFAULT_PIPELINE_FILE)
+    claim_and_reap(current_flow_run_id())
     try:
         sw = from_spec(name, spec, config) if spec else sweep(name, config)
     except FinetuneError as e:
