@@ -6,6 +6,7 @@
     python -m flows.inspect gc [--force] [--keep-refs] [--json]
     python -m flows.inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     python -m flows.inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
+    python -m flows.inspect runs [PIPELINE] [--sweep NAME] [--json | --csv]
 
 `status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
 config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
@@ -14,7 +15,7 @@ stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the
 current keys reach (dry run) and removes them with --force. `compare` ranks a sweep's variants from the
 store (flows/compare.py; exit 1 while a run has no results for the current code); `diff` says which stages
 two configs share, which differ and why, and their params and metrics side by side (exit 1 when a stage
-differs).
+differs). `runs` lists every run the store saw (flows/reports/runs.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import flows  # noqa: F401  (project defaults only; this module never imports prefect)
 from flows import compare, diff
+from flows.reports import runs
 from flows.sweep import add_adhoc_args, resolve
 from stages.common.fit import estimate_pipeline, format_estimate
 from stages.common.memory import free_memory
@@ -127,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an override of A (repeatable)")
     di.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
     di.add_argument("--json", action="store_true", help="machine-readable output")
+    ru = sub.add_parser("runs", help="every run the store saw: when, pipeline, --set, stages, metrics, train time")
+    ru.add_argument("pipeline", nargs="?", help="only this pipeline's runs")
+    ru.add_argument("--sweep", help="only the runs of this sweep")
+    fmt = ru.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output")
+    fmt.add_argument("--csv", action="store_true", help="one CSV line per run")
     return p
 
 
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args, store)
         if args.command == "diff":
             return cmd_diff(args, store)
+        if args.command == "runs":
+            print(runs.report(store, args.pipeline, args.sweep, args.json, args.csv))
+            return 0
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
         if args.command == "memory":
             return cmd_memory(cfg)

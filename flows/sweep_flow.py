@@ -12,6 +12,7 @@ the markdown artifact `sweep-<name>-chart`.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from flows.variants import Run, Sweep, from_spec, sweep
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
+from stages.engine.runs import SWEEP_ENV
 
 log = logging.getLogger("finetune.sweep")
 
@@ -132,11 +134,14 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
         api_url = str(client.api_url)
     print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
           f"{f' x {len(sw.config.seeds)} seeds' if sw.config.seeds else ''}), {max(1, parallel)} at a time")
+    os.environ[SWEEP_ENV] = sw.name  # the children's run records name their sweep (flows.inspect runs --sweep)
     try:
         results, failed = _run_all(sw, parallel, config, api_url, on_workers)
     except BaseException:
         _stop_children()
         raise
+    finally:
+        os.environ.pop(SWEEP_ENV, None)
     publish(sw)
     if failed:
         return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))

@@ -56,6 +56,7 @@ from stages.common.checkpoint import (
     save_checkpoint,
     set_rng_state,
     trainable_state,
+    write_resume_point,
 )
 from stages.common.device import (
     enable_gradient_checkpointing,
@@ -315,6 +316,7 @@ class TrainRun:
             best = self.keeper.path if self.progress.best is not None else None
             save_checkpoint(self.ckpt_dir, self.progress, self.core, self.optimizer, self.scheduler, self.scaler,
                             self.tcfg.keep_checkpoints, links={"best.safetensors": best} if best else None)
+            write_resume_point(self.ckpt_dir.parent, self.progress.step, self.total_steps)
         self.saved_step = self.progress.step
 
     # ------------------------------------------------------------------ cleanup

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from stages.engine.status import RESUME_FILE
 from stages.engine.store import fsync_path
 
 CKPT_RE = re.compile(r"^step-(\d{6,})$")
@@ -158,6 +159,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, schedule
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     return TrainingProgress(**json.loads((path / "progress.json").read_text()))
+
+
+def write_resume_point(work_dir: Path, step: int, total: int) -> None:
+    """For `inspect status`: "resumable from step N of M" (stages/engine/status.py reads it)."""
+    tmp = work_dir / f".{RESUME_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step, "of": total}))
+    os.replace(tmp, work_dir / RESUME_FILE)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -1,0 +1,1 @@
+"""Reports read from the store, without Prefect."""
