@@ -229,9 +229,9 @@ class TrainRun:
         if p.step and self.saved_step != p.step:
             self.checkpoint()
         name = signal_name(self.stop.signum)
-        self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s; the next run resumes from it", name,
-                         p.step, self.total_steps, f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}"
-                         if p.step else "nothing to save yet")
+        self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s", name, p.step, self.total_steps,
+                         f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}; the next run resumes from it"
+                         if p.step else "no step finished yet, nothing to save")
         self.stop.deliver()
 
     # ------------------------------------------------------------------ one step

@@ -14,7 +14,6 @@ from stages.engine.runs import read_runs, records_root
 from stages.engine.status import headline
 
 MARKS = {"computed": "C", "cached": "c", "failed": "F"}
-STAGES = ("data", "tokenize", "model", "adapters", "train", "evaluate", "export")
 
 
 def select(runs: list[dict[str, Any]], pipeline: str | None, sweep: str | None) -> list[dict[str, Any]]:
@@ -33,12 +32,17 @@ def key_metrics(run: dict[str, Any]) -> dict[str, Any]:
 def rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in runs:
-        stages = r.get("stages") or {}
+        stages = {s["stage"]: s for s in r.get("stages") or [] if isinstance(s, dict) and "stage" in s}
         out.append({"started": r.get("started"), "id": r.get("id"), "pipeline": r.get("pipeline"),
                     "sweep": r.get("sweep"), "set": r.get("set") or [], "status": r.get("status"),
                     "stages": {s: v.get("status") for s, v in stages.items()},
                     "metrics": key_metrics(r), "train_seconds": r.get("train_seconds"), "error": r.get("error")})
     return out
+
+
+def stage_names(table: list[dict[str, Any]]) -> list[str]:
+    """Every stage the runs ran, in the order they ran them."""
+    return list(dict.fromkeys(s for r in table for s in r["stages"]))
 
 
 def fmt(v: Any) -> str:
@@ -50,8 +54,7 @@ def fmt(v: Any) -> str:
 def render(table: list[dict[str, Any]]) -> str:
     if not table:
         return "no runs recorded in this store yet"
-    names = [s for s in STAGES if any(s in r["stages"] for r in table)]
-    names += sorted({s for r in table for s in r["stages"]} - set(names))
+    names = stage_names(table)
     head = ["started", "pipeline", "stages", "status", "train s", "metrics", "--set"]
     lines = [head]
     for r in table:
@@ -68,15 +71,15 @@ def render(table: list[dict[str, Any]]) -> str:
 
 def to_csv(table: list[dict[str, Any]]) -> str:
     metric_names = sorted({k for r in table for k in r["metrics"]})
-    stage_names = [s for s in STAGES if any(s in r["stages"] for r in table)]
+    stages = stage_names(table)
     buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(["started", "id", "pipeline", "sweep", "status", "set", *stage_names, "train_seconds", *metric_names])
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["started", "id", "pipeline", "sweep", "status", "set", *stages, "train_seconds", *metric_names])
     for r in table:
         w.writerow([r["started"], r["id"], r["pipeline"], r["sweep"] or "", r["status"], " ".join(r["set"]),
-                    *[r["stages"].get(s, "") for s in stage_names], r["train_seconds"] or "",
+                    *[r["stages"].get(s, "") for s in stages], r["train_seconds"] or "",
                     *[r["metrics"].get(k, "") for k in metric_names]])
-    return buf.getvalue()
+    return buf.getvalue().rstrip("\n")
 
 
 def report(store: Any, pipeline: str | None = None, sweep: str | None = None, as_json: bool = False,

@@ -2,7 +2,7 @@
 
 A record is written when the run starts and rewritten (atomically) after each stage and at the end:
 when, the pipeline, its `--set` list, the sweep it belongs to (FINETUNE_SWEEP, set by a sweep for its
-runs), per stage its outcome (computed / cached / failed) with key and seconds, the key metrics of the
+runs), per stage in the order run its outcome (computed / cached / failed) with key and seconds, the key metrics of the
 train and evaluate stages (numbers only), the train time, and how the run ended (completed / failed /
 interrupted; `running` while it runs, or when its process died).
 """
@@ -29,7 +29,7 @@ class RunRecord:
         self.data: dict[str, Any] = {
             "id": self.path.stem, "started": started, "ended": None, "pipeline": pipeline,
             "set": list(overrides), "sweep": os.environ.get(SWEEP_ENV) or None, "status": "running",
-            "host": socket.gethostname(), "pid": os.getpid(), "selection": selection, "stages": {},
+            "host": socket.gethostname(), "pid": os.getpid(), "selection": selection, "stages": [],
             "metrics": {}, "train_seconds": None, "error": None}
         self.save()
 
@@ -42,8 +42,8 @@ class RunRecord:
 
     def stage(self, o: Outcome) -> None:
         metrics = o.manifest.get("metrics")
-        self.data["stages"][o.stage] = {"status": "computed" if o.computed else "cached", "key": o.key,
-                                        "duration_s": o.manifest.get("duration_s")}
+        self.data["stages"].append({"stage": o.stage, "status": "computed" if o.computed else "cached",
+                                    "key": o.key, "duration_s": o.manifest.get("duration_s")})
         if o.stage in METRIC_STAGES and isinstance(metrics, dict):
             self.data["metrics"][o.stage] = scalars(metrics)
         if o.stage == "train" and isinstance(metrics, dict):
@@ -52,7 +52,7 @@ class RunRecord:
 
     def failed(self, stage: str | None, err: BaseException) -> None:
         if stage is not None:
-            self.data["stages"][stage] = {"status": "failed"}
+            self.data["stages"].append({"stage": stage, "status": "failed"})
         self.end("failed" if isinstance(err, Exception) else "interrupted", f"{type(err).__name__}: {err}")
 
     def end(self, status: str = "completed", error: str | None = None) -> None:
@@ -60,16 +60,17 @@ class RunRecord:
         self.save()
 
 
-def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
-    """The numbers of a stage's metrics (nested one level; of a list of records, the last), not its tables."""
+def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The numbers of a stage's metrics, flat with dotted names (of a list of records, the last record's:
+    train's validation history), not its tables."""
     out: dict[str, Any] = {}
     for k, v in metrics.items():
-        if isinstance(v, list) and v and isinstance(v[-1], dict):  # e.g. train's validation history
+        if isinstance(v, list) and v and isinstance(v[-1], dict):
             v = v[-1]
         if isinstance(v, dict):
-            out[k] = {k2: v2 for k2, v2 in v.items() if isinstance(v2, int | float) and not isinstance(v2, bool)}
+            out.update(scalars(v, f"{prefix}{k}."))
         elif isinstance(v, int | float) and not isinstance(v, bool):
-            out[k] = v
+            out[f"{prefix}{k}"] = v
     return out
 
 
