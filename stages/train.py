@@ -33,13 +33,10 @@ artifact. The OOM back-off is off there (one process cannot retry alone).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 
 from stages.common import distributed
-from stages.common.batching import Batch, epoch_batches, shard
+from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -69,7 +66,7 @@ from stages.common.device import (
 from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
 from stages.common.interrupt import DeferredStop, StepAbandoned
-from stages.common.losses import loss_units, summed_loss
+from stages.common.losses import accumulate_window, loss_units
 from stages.common.models import load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
@@ -228,7 +225,7 @@ class TrainRun:
         p = self.progress
         if p.step and self.saved_step != p.step:
             self.checkpoint()
-        name = signal_name(self.stop.signum)
+        name = self.stop.name
         self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s", name, p.step, self.total_steps,
                          f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}; the next run resumes from it"
                          if p.step else "no step finished yet, nothing to save")
@@ -361,35 +358,6 @@ class TrainRun:
 
 # ====================================================================== the loss of one effective batch
 
-def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: str,
-                      accelerator: Any = None, *, denominator: int | None = None, scale: float = 1.0,
-                      between: Callable[[], None] | None = None) -> float:
-    """Forward and backward every micro-batch of one effective batch. The gradients left in .grad are
-    those of the loss averaged over the whole effective batch. Returns that loss. `between()` is called
-    before each micro-batch (a requested stop raises there).
-    Across processes (see shard_window) `denominator` is the count over the whole *global* effective
-    batch and `scale` multiplies what is backpropagated (not the loss returned)."""
-    if denominator is None:
-        denominator = max(sum(loss_units(mb, task) for mb in micro_batches), 1)
-    total = None  # kept on the device: reading it once per step, not per micro-batch, keeps a GPU busy
-    for k, mb in enumerate(micro_batches):
-        if between is not None:
-            between()
-        is_accumulating = k < len(micro_batches) - 1
-        # across GPUs, gradients are only synchronised on the last micro-batch
-        sync = accelerator.no_sync(model) if (accelerator is not None and is_accumulating) \
-            else contextlib.nullcontext()
-        with sync:
-            loss = summed_loss(model, mb, task) / denominator
-            scaled = loss * scale if scale != 1.0 else loss
-            if accelerator is not None:
-                accelerator.backward(scaled)
-            else:
-                scaled.backward()
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    return float(total) if total is not None else 0.0
-
-
 def shard_window(model: torch.nn.Module, rows: Rows, idx: list[int], micro_batch_size: int, pad_id: int,
                  task: str, accelerator: Any) -> tuple[float, int, int]:
     """This process's share of one *global* effective batch (N processes: batching.shard deals its rows
@@ -415,10 +383,6 @@ def shard_window(model: torch.nn.Module, rows: Rows, idx: list[int], micro_batch
 
 
 # ====================================================================== several processes
-
-def signal_name(signum: int | None) -> str:
-    return {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}.get(signum, f"signal {signum}")
-
 
 def distributed_rank() -> int:
     import torch.distributed as dist

@@ -57,6 +57,10 @@ class DeferredStop:
         self.previous = {}
 
     @property
+    def name(self) -> str:
+        return {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}.get(self.signum, f"signal {self.signum}")
+
+    @property
     def requested(self) -> bool:
         return self.signum is not None
 
