@@ -172,7 +172,7 @@ def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc,
                              "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"],
                             cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
-    assert re.search(rf"train .*\n    resumable from step {stop.group(1)} of \d+", status.stdout), status.stdout
+    assert re.search(rf"\ntrain .*\n(    .*\n)*?    resumable from step {stop.group(1)} of \d+ ", status.stdout), status.stdout
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
