@@ -1,1 +1,2 @@
-"""Reports read from the store, without Prefect."""
+"""What the store holds, read without Prefect (an import-linter contract keeps it so): store status, a sweep's
+definition and comparison, two configs side by side, a run's summary, the run history."""

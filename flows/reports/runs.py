@@ -10,6 +10,7 @@ import io
 import json
 from typing import Any
 
+from flows.reports.formatting import local_time, number, render_table
 from stages.engine.runs import read_runs, records_root
 from stages.engine.status import headline
 
@@ -46,9 +47,7 @@ def stage_names(table: list[dict[str, Any]]) -> list[str]:
 
 
 def fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    return "-" if v is None else number(v)
 
 
 def render(table: list[dict[str, Any]]) -> str:
@@ -61,12 +60,10 @@ def render(table: list[dict[str, Any]]) -> str:
         marks = "".join(MARKS.get(r["stages"].get(s, ""), "-") for s in names)
         metrics = " ".join(f"{k}={fmt(v)}" for k, v in r["metrics"].items())
         pipeline = r["pipeline"] + (f" [{r['sweep']}]" if r["sweep"] else "")
-        lines.append([(r["started"] or "-")[:19].replace("T", " "), pipeline, marks, r["status"] or "-",
+        lines.append([local_time(r["started"]), pipeline, marks, r["status"] or "-",
                       fmt(r["train_seconds"]), metrics, " ".join(r["set"])])
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)).rstrip() for x in lines]
     legend = f"stages: {' '.join(names)} (C computed, c cached, F failed, - not run)"
-    return "\n".join([*text, legend])
+    return render_table(lines) + "\n" + legend
 
 
 def to_csv(table: list[dict[str, Any]]) -> str:

@@ -4,7 +4,7 @@ compare: one row per variant — the parameters that differ, the evaluation metr
 train time, real tokens/s, footprint, trainable parameters, the stages it shares with other runs of the
 sweep — ranked by the sweep's metric; variants not yet run are listed as such. A run whose artifacts exist
 only for an earlier code or library version (same parameters all the way up) is shown with those results,
-marked `stale`. flows/sweep_report.py writes it into the sweep's folder of the store, with a chart.
+marked `stale`. flows/reports/sweep_outputs.py writes it into the sweep's folder of the store, with a chart.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flows.variants import Run, Sweep, fmt, short_names
+from flows.reports.formatting import label
+from flows.reports.variants import Run, Sweep, short_names
 from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params
@@ -254,7 +255,7 @@ def table_rows(c: Comparison) -> list[dict[str, Any]]:
     for v in c.variants:
         gap = c.paired_gap(v)
         pct = is_share(m)
-        row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: fmt(val) for k, val in v.params.items()},
+        row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: label(val) for k, val in v.params.items()},
                                "seeds": f"{len(v.values())}/{len(v.runs)}" if c.sweep.config.seeds else
                                len(v.values()),
                                m: pm(v.mean(), v.sd(), pct)}

@@ -1,14 +1,14 @@
 """Two pipeline configs side by side (no Prefect, no tensors): which stages they share and which differ and
 why (`changed params: train.lr`, `changed upstream: train`), param by param and metric by metric from the
-store, the way `dvc params diff` / `dvc metrics diff` read. `python -m flows.inspect diff A B`.
+store, the way `dvc params diff` / `dvc metrics diff` read. `finetune inspect diff A B`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flows.compare import Finder, artifacts, evaluate_metrics
-from flows.variants import fmt
+from flows.reports.comparison import Finder, artifacts, evaluate_metrics
+from flows.reports.formatting import label
 from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params, why_changed
@@ -79,11 +79,11 @@ def render_diff(d: dict[str, Any]) -> str:
         lines.append(f"  {s['stage']:<9} {state}")
         lines += [f"              {w}" for w in s["why"]]
     lines += ["", "params:" if d["params"] else "params: identical"]
-    lines += [f"  {p['param']:<40} {fmt(p['a']):>14} -> {fmt(p['b'])}" for p in d["params"]]
+    lines += [f"  {p['param']:<40} {label(p['a']):>14} -> {label(p['b'])}" for p in d["params"]]
     lines += ["", "metrics (from the store; - = not run, * = stale: made by earlier code):" if d["metrics"]
               else "metrics: none in the store"]
     for m in d["metrics"]:
-        va, vb = ("-" if v is None else fmt(v) + ("*" if stale else "")
+        va, vb = ("-" if v is None else label(v) + ("*" if stale else "")
                   for v, stale in ((m["a"], m["a_stale"]), (m["b"], m["b_stale"])))
         change = f"  ({m['change']:+.4g})" if m["change"] is not None else ""
         lines.append(f"  {m['metric']:<40} {va:>14} -> {vb}{change}")
