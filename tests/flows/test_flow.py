@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
 
@@ -122,6 +123,26 @@ def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkey
     assert any(rec.message.lstrip().startswith("train ") and "computed" in rec.message for rec in logs)
 
 
+TRAINING = [sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
+            "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"]
+
+
+def start_training(env: dict, fh, log: Path, sigint) -> tuple[subprocess.Popen, int]:
+    """`python -m flows.finetune` training for long, in its own session, SIGINT as given: (process, port of its
+    temporary Prefect server), once it has done a few steps."""
+    p = subprocess.Popen(TRAINING, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    deadline = time.monotonic() + 240
+    try:
+        while not re.search(r"Step 0002/", log.read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return p, int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+
+
 @pytest.mark.parametrize(("how", "rc", "line"), [
     ("ctrl-c", 130, "interrupted; committed stages stay in the store"),
     ("sigterm", 143, "terminated; committed stages stay in the store"),
@@ -132,23 +153,15 @@ def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc,
     terminal sends SIGINT to the whole process group) or by `kill PID` (SIGTERM). The run ends Crashed, the
     process exits within seconds, and the temporary Prefect server it started is stopped with it. Before:
     Ctrl-C also killed the server and the run then hung for minutes retrying the dead API; SIGTERM left the
-    server running, orphaned, on its port."""
+    server running, orphaned, on its port. Started in a script's background (SIGINT inherited ignored), `kill
+    -INT` stops it too. The train stage writes a checkpoint at the step it stopped; `inspect status` says so."""
     env = subprocess_env(tmp_path / "store")
     env.pop("PREFECT_API_URL", None)  # a temporary server, as for a user without one
     log = tmp_path / "out.log"
     with log.open("w") as fh:
-        p = subprocess.Popen([sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
-                              "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"],
-                             cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                             # as in a terminal; `cmd &` in a script starts it with SIGINT ignored
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN if "background" in how
-                                                              else signal.SIG_DFL))
+        # as in a terminal; `cmd &` in a script starts it with SIGINT ignored
+        p, port = start_training(env, fh, log, signal.SIG_IGN if "background" in how else signal.SIG_DFL)
         try:
-            deadline = time.monotonic() + 240
-            while not re.search(r"Step 0002/", log.read_text()):  # training has done a few steps
-                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
             stopped_at = time.monotonic()
             if how == "ctrl-c":
                 os.killpg(p.pid, signal.SIGINT)
@@ -168,9 +181,7 @@ def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc,
     stop = re.search(r"train: (?:Ctrl-C \(SIGINT\)|SIGTERM) at step (\d+) of \d+: checkpoint (\S+); the next run", out)
     assert stop, out[-3000:]
     assert Path(stop.group(2)).name == f"step-{int(stop.group(1)):06d}" and Path(stop.group(2), "progress.json").is_file()
-    status = subprocess.run([sys.executable, "-m", "flows.inspect", "status", "tiny-imdb", "--set", "train.epochs=1000",
-                             "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"],
-                            cwd=ROOT, env=env,
+    status = subprocess.run([sys.executable, "-m", "flows.inspect", "status", *TRAINING[3:]], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert re.search(rf"\ntrain .*\n(    .*\n)*?    resumable from step {stop.group(1)} of \d+ ", status.stdout), status.stdout
     with pytest.raises(ConnectionRefusedError):
@@ -183,18 +194,11 @@ def test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed(tmp_path):
     marks the dead run Crashed (it was left Running)."""
     env = subprocess_env(tmp_path / "store", PREFECT_HOME=str(tmp_path / "prefect"))
     env.pop("PREFECT_API_URL", None)
-    args = [sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
-            "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"]
     log = tmp_path / "out.log"
     with log.open("w") as fh:
-        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        p, port = start_training(env, fh, log, signal.SIG_IGN)
+        children = psutil.Process(p.pid).children(recursive=True)  # the temporary server among them
         try:
-            deadline = time.monotonic() + 240
-            while not re.search(r"Step 0002/", log.read_text()):  # training has done a few steps
-                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
             p.kill()
             assert p.wait(timeout=30) == -signal.SIGKILL
             deadline = time.monotonic() + 20
@@ -208,6 +212,9 @@ def test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed(tmp_path):
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-    nxt = subprocess.run([*args, "--until", "data"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            for child in children:  # whatever outlived it (a server that failed to stop itself)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+    nxt = subprocess.run([*TRAINING, "--until", "data"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert nxt.returncode == 0, (nxt.stdout + nxt.stderr)[-3000:]
     assert "was left Running by a process that is gone: marked Crashed" in nxt.stdout + nxt.stderr
