@@ -51,7 +51,16 @@ def current_flow_run_id() -> str | None:
 
 
 def claim_and_reap(flow_run_id: Any) -> list[str]:
-    """Label this flow run with its owner; mark Crashed the runs whose owner is gone. Returns their names."""
+    """Label this flow run with its owner; mark Crashed the runs whose owner is gone. Returns their names.
+    Bookkeeping only: an API error here is a warning, never the run's end."""
+    try:
+        return _claim_and_reap(flow_run_id)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not record this run's owner or check for dead runs: %s", e)
+        return []
+
+
+def _claim_and_reap(flow_run_id: Any) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.client.schemas.objects import StateType
