@@ -11,7 +11,7 @@ from flows.reports.comparison import Finder, artifacts, evaluate_metrics
 from flows.reports.formatting import label
 from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import changed_params, why_changed
+from stages.engine.status import changed_params, flatten, why_changed
 from stages.engine.store import StageKey, Store
 from stages.graph import plan
 
@@ -25,7 +25,7 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> di
         why = [] if ka.key == kb.key else why_changed({**ka.key_inputs(), "code_objects": list(ka.code_objects)}, kb)
         stages.append({"stage": name, "shared": ka.key == kb.key, "a": ka.key, "b": kb.key, "why": why,
                        "a_in_store": not store.problems(name, ka.key), "b_in_store": not store.problems(name, kb.key)})
-    da, db = _flatten(_sections(a)), _flatten(_sections(b))
+    da, db = flatten(_sections(a)), flatten(_sections(b))
     params = [{"param": k, "a": da.get(k), "b": db.get(k)} for k in changed_params(_sections(a), _sections(b))]
     finder = Finder(store)
     ma, mb = _stored_metrics(pa, store, finder), _stored_metrics(pb, store, finder)
@@ -42,16 +42,6 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> di
 
 def _sections(cfg: PipelineConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"name", "description", "extends", "overrides"})
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _stored_metrics(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) \
