@@ -13,6 +13,7 @@ from typing import Any
 from stages import adapters, data, model, tokenize, train
 from stages import evaluate as evaluate_stage
 from stages import export as export_stage
+from stages.common import distributed
 from stages.common.fit import check_pipeline_fits
 from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
 from stages.common.models import input_files as model_input_files
@@ -63,6 +64,7 @@ STAGES: list[Stage] = [
         name="train",
         body=train.run,
         reads=("train", "model.task"),
+        joins=lambda cfg: distributed.joining(cfg.train),  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),

@@ -29,6 +29,12 @@ accumulation x processes; every process takes its shard of each effective batch,
 the count over the whole global batch and DDP averages the gradients (shard_window), so the weights equal
 one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and writes the
 artifact. The OOM back-off is off there (one process cannot retry alone).
+
+Several machines (train.num_machines > 1): every machine runs the same pipeline with its own
+train.machine_rank; each launches its num_processes and they meet at machine 0's main_process_ip:port
+(torchrun's rendezvous). Global rank 0 (on machine 0) alone writes; on the other machines the stage runs
+outside the store (Stage.joins: no lease, nothing committed) and their pipeline stops after it. A resume
+checkpoint lives on machine 0's disk: its rank 0 sends it to the others over the process group.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
-    if tcfg.num_processes > 1:  # the same body, once per process, under `accelerate launch`
+    if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
         return launch_training(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
     return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
 
@@ -126,6 +132,8 @@ class TrainRun:
         self.accelerator, self.precision = make_accelerator(tcfg.mixed_precision, log)
         self.device, self.world = self.accelerator.device, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
+        # torchrun's: the processes on this machine (accelerate launch --num_machines M starts world / M each)
+        self.machines = self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         if self.precision != "no":
             upcast_trainable(model, log)
         if tcfg.gradient_checkpointing:
@@ -148,7 +156,12 @@ class TrainRun:
         self.ckpt_dir = work_dir / "checkpoints"
         self.keeper = BestKeeper(tcfg.select_best, tcfg.early_stopping, work_dir / "best")
         self.progress, self.resumed_from = TrainingProgress(micro_batch_size=tcfg.micro_batch_size), None
-        if (ckpt := latest_checkpoint(self.ckpt_dir)) is not None:
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if self.machines > 1:  # rank 0's checkpoint for every process: the other machines do not see its disk
+            ckpt = distributed.share_folder(ckpt if self.is_main else None,
+                                            work_dir / "received" / f"rank-{self.accelerator.process_index}",
+                                            self.device)
+        if ckpt is not None:
             self.progress = load_checkpoint(ckpt, self.core, self.optimizer, self.scheduler, self.scaler)
             if self.is_main:  # the one process that keeps the best weights
                 self.keeper.restore(ckpt, self.progress)
@@ -338,7 +351,8 @@ class TrainRun:
             "effective_batch": self.effective,  # micro_batch_size x gradient_accumulation_steps x num_processes
             "micro_batch_size": p.micro_batch_size,
             "gradient_accumulation_steps": math.ceil(self.effective / (p.micro_batch_size * self.world)),
-            "num_processes": self.world,
+            "num_processes": self.world,  # all of them, on all machines
+            "num_machines": self.machines,
             "precision": self.precision,
             "optimizer": cfg.optimizer,
             "trainable_params": self.n_trainable,
@@ -402,7 +416,9 @@ def launch_training(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Pa
     args = {"task": task, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
             "out_dir": str(out_dir), "work_dir": str(work_dir)}
     return distributed.launch("stages.train:train_worker", args, n, work_dir / "launch", log,
-                              port=tcfg.main_process_port, config_file=tcfg.accelerate_config, what="train")
+                              port=tcfg.main_process_port, config_file=tcfg.accelerate_config, what="train",
+                              num_machines=tcfg.num_machines, machine_rank=tcfg.machine_rank,
+                              main_process_ip=tcfg.main_process_ip)
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from stages.engine.cli import describe
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
-from stages.engine.runner import Planned, run_stage
+from stages.engine.runner import JOINED, Planned, run_stage
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, Store
 from stages.graph import run_pipeline, stage_names
@@ -34,6 +34,8 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
         outcome = run_stage(cfg, item, store, done, force=force, verify=verify)
     except FinetuneError as e:
         return user_error(e)
+    if outcome.reason == JOINED:  # trained with another machine, which commits and publishes the artifact
+        return Completed(name="Joined", message=outcome.manifest.get("role"), data=outcome)
     publish(cfg.name, outcome)
     if not outcome.computed:
         return Completed(name="Cached", message=f"store hit {outcome.key[:12]}", data=outcome)

@@ -1,8 +1,13 @@
-"""The `sweep` flow: one child flow run of `finetune` (flows/orchestration/finetune_flow.py) per variant and seed, all through the same
-store, at most `parallel` at once. Each child runs in its own process (`run_flow_in_subprocess`): training
-seeds torch's process-wide RNG, so two trainings must never share a process. A stage whose key two runs share
-(data, tokenize, model, adapters when only train.* varies) is computed by the first and a store hit for the
-others; the store's per-key lock makes a second run wait for the first rather than compute it again.
+"""The `sweep` flow: one child flow run of `finetune` (flows/orchestration/finetune_flow.py) per variant and
+seed, all through the same store, at most `parallel` at once. Prefect schedules them: every run is a `variant`
+task submitted at once to a `ThreadPoolTaskRunner(max_workers=parallel)`, which runs `parallel` and holds the
+others Pending. Each child runs in its own process (Prefect's `run_flow_in_subprocess`, a fresh spawned
+process per run: a process-pool task runner would reuse its processes): training seeds torch's process-wide
+RNG, so two trainings must never share a process. Prefect does not end those processes when the sweep is
+interrupted (its task runner cancels only tasks not yet started), so Ctrl-C / SIGTERM ends them here
+(_stop_children). A stage whose key two runs share (data, tokenize, model, adapters when only train.*
+varies) is computed by the first and a store hit for the others; the store's per-key lock makes a second run
+wait for the first rather than compute it again.
 
 When the runs are done the flow publishes the comparison (flows/reports/comparison.py) as a table artifact `sweep-<name>`
 and a chart (metric per variant, loss curves overlaid) as a PNG in the sweep's folder of the store, linked from
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -24,6 +30,7 @@ from prefect.context import TaskRunContext
 from prefect.flow_engine import run_flow_in_subprocess
 from prefect.futures import wait
 from prefect.states import Failed, State
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.orchestration.compat_prefect import literal_task_run_name, wait_for_task_run
 from flows.orchestration.finetune_flow import finetune, user_error
@@ -41,6 +48,8 @@ log = logging.getLogger("finetune.sweep")
 
 
 _CHILDREN: set[Any] = set()  # the child processes running now (ended when the sweep is interrupted)
+_STOPPING = threading.Event()  # set when the sweep is interrupted: no child starts after it
+_CHILDREN_LOCK = threading.Lock()
 
 
 class ChildRunFailed(Exception):
@@ -52,10 +61,13 @@ def _stop_children(grace_s: float = 15) -> None:
     which resume from their checkpoints on the next run. A child still alive after `grace_s` is killed: the
     signal can land while the child runs a finalizer, where Python drops the exception it raises (seen: a
     child trained on and the sweep waited for it)."""
-    for proc in list(_CHILDREN):
+    with _CHILDREN_LOCK:
+        _STOPPING.set()
+        procs = list(_CHILDREN)
+    for proc in procs:
         proc.terminate()
     deadline = time.monotonic() + grace_s
-    for proc in list(_CHILDREN):
+    for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
@@ -81,11 +93,14 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
                                        parent_task_run_id=parent,
                                        tags=["sweep", sweep_name])
-    # a context without the parent's settings: the child reaches the same API through PREFECT_API_URL
-    proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
-                                  context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
-                                  env={"PREFECT_API_URL": api_url})
-    _CHILDREN.add(proc)
+    with _CHILDREN_LOCK:  # a task the runner started just before an interrupt must not start its child
+        if _STOPPING.is_set():
+            raise ChildRunFailed("the sweep was interrupted before this run started")
+        # a context without the parent's settings: the child reaches the same API through PREFECT_API_URL
+        proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
+                                      context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
+                                      env={"PREFECT_API_URL": api_url})
+        _CHILDREN.add(proc)
     try:
         proc.join()
     finally:
@@ -125,9 +140,6 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     os.environ[SWEEP_ENV] = sw.name  # the children's run records name their sweep (flows.inspect runs --sweep)
     try:
         results, failed = _run_all(sw, parallel, config, api_url, on_workers)
-    except BaseException:
-        _stop_children()
-        raise
     finally:
         os.environ.pop(SWEEP_ENV, None)
     publish(sw)
@@ -137,21 +149,26 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
 
 
 def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
-    """Keep `parallel` child runs going until every run has finished: (their summaries, the failures)."""
-    pending, active, results, failed = list(sw.runs), {}, [], []
-    while pending or active:
-        while pending and len(active) < max(1, parallel):
-            run = pending.pop(0)
-            child = run_child.with_options(task_run_name=literal_task_run_name(run.label))
-            active[child.submit(sw.name, run, config, api_url, on_workers)] = run
-        finished: set = set()
-        while not finished:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
-            finished = wait(list(active), timeout=1).done
-        done = next(iter(finished))
-        run = active.pop(done)
+    """Every run as a `variant` task on Prefect's thread-pool task runner, `parallel` at a time, until all
+    have finished: (their summaries in the sweep's order, the failures). On an interrupt the children are
+    ended first: the runner's exit cancels the tasks not started, then waits for the running ones."""
+    _STOPPING.clear()
+    with ThreadPoolTaskRunner(max_workers=max(1, parallel)) as runner:
+        futures = [runner.submit(run_child.with_options(task_run_name=literal_task_run_name(run.label)),
+                                 {"sweep_name": sw.name, "run": run, "config": config, "api_url": api_url,
+                                  "on_workers": on_workers}) for run in sw.runs]
         try:
-            results.append(done.result())
-        except Exception as e:  # noqa: BLE001  (a failed child: the others go on, the sweep fails at the end)
+            pending = futures
+            while pending:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
+                pending = list(wait(pending, timeout=1).not_done)
+        except BaseException:
+            _stop_children()
+            raise
+    results, failed = [], []
+    for run, future in zip(sw.runs, futures, strict=True):
+        try:
+            results.append(future.result())
+        except Exception as e:  # noqa: BLE001  (a failed child: the others went on, the sweep fails at the end)
             failed.append(f"{run.label}: {e}")
     return results, failed
 

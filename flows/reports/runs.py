@@ -14,7 +14,7 @@ from flows.reports.formatting import local_time, number, render_table
 from stages.engine.runs import read_runs, records_root
 from stages.engine.status import headline
 
-MARKS = {"computed": "C", "cached": "c", "failed": "F"}
+MARKS = {"computed": "C", "cached": "c", "failed": "F", "joined": "J"}
 
 
 def select(runs: list[dict[str, Any]], pipeline: str | None, sweep: str | None) -> list[dict[str, Any]]:
@@ -62,7 +62,7 @@ def render(table: list[dict[str, Any]]) -> str:
         pipeline = r["pipeline"] + (f" [{r['sweep']}]" if r["sweep"] else "")
         lines.append([local_time(r["started"]), pipeline, marks, r["status"] or "-",
                       fmt(r["train_seconds"]), metrics, " ".join(r["set"])])
-    legend = f"stages: {' '.join(names)} (C computed, c cached, F failed, - not run)"
+    legend = f"stages: {' '.join(names)} (C computed, c cached, F failed, J joined another machine's run, - not run)"
     return render_table(lines) + "\n" + legend
 
 

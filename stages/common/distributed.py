@@ -7,7 +7,9 @@ run_dir/payload.json` in its own process group, streams every line the processes
 waits, and returns what rank 0's function returned (JSON, through run_dir/result.json). `--multi_gpu` is
 accelerate's torchrun launcher: one process per GPU, or on a machine without CUDA N CPU processes that
 talk over gloo (accelerate's `--cpu` would start only one). Inside, `Accelerator()` reads the launcher's
-environment (RANK, WORLD_SIZE, MASTER_PORT) and wraps the model in DDP.
+environment (RANK, WORLD_SIZE, MASTER_PORT) and wraps the model in DDP. Several machines: each calls
+`launch` with its `machine_rank` and machine 0's address and port (torchrun's rendezvous); a machine other
+than 0 returns None. `share_folder` hands rank 0's files (a resume checkpoint) to the other machines.
 
 A failure becomes one stage error: a FinetuneError raised in a process (a config problem, a missing
 input) is raised again here with its own class and message; anything else (a crash, a killed process)
@@ -22,6 +24,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,23 +77,39 @@ def check_accelerate_config(path: str | Path, what: str = "train") -> Path:
     return file
 
 
-def launch_command(payload: Path, num_processes: int, port: int, config_file: Path | None = None) -> list[str]:
+def launch_command(payload: Path, num_processes: int, port: int, config_file: Path | None = None, *,
+                   num_machines: int = 1, machine_rank: int = 0, main_process_ip: str | None = None) -> list[str]:
     """The `accelerate launch` command line (accelerate's own defaults spelled out, so it prints no
-    'values were not passed' warning; precision is set by the Accelerator inside). Flags given here win
-    over the same settings in `config_file`."""
+    'values were not passed' warning; precision is set by the Accelerator inside). `num_processes` is
+    this machine's; accelerate takes the total. Several machines: each runs this with its own
+    `machine_rank` and the same `main_process_ip`:`port` (torchrun's static rendezvous, hosted by machine
+    0). Flags given here win over the same settings in `config_file`."""
     config = ["--config_file", str(config_file)] if config_file else []
+    machines = ["--machine_rank", str(machine_rank), "--main_process_ip", str(main_process_ip)] if num_machines > 1 else []
     return [sys.executable, "-m", "accelerate.commands.launch", *config, "--multi_gpu",
-            "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--num_processes", str(num_processes * num_machines), "--num_machines", str(num_machines), *machines,
+            "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(port), "-m", "stages.common.distributed", str(payload)]
+
+
+def joining(settings: Any, what: str = "train") -> str | None:
+    """Stage.joins for a stage launched on several machines: on machine_rank > 0 its processes train with
+    machine 0's, which commits (a line saying so); None on machine 0 or one machine."""
+    if settings.num_machines > 1 and settings.machine_rank > 0:
+        return (f"machine {settings.machine_rank} of {settings.num_machines}: {what} with machine 0 "
+                f"({settings.main_process_ip}:{settings.main_process_port}), which writes the artifact")
+    return None
 
 
 def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path, log: logging.Logger, *,
            port: int | None = None, config_file: str | Path | None = None, what: str = "train",
-           pythonpath: list[str] = ()) -> Any:
-    """Call `target` ("module:function") with `args` in each of `num_processes` processes; return rank 0's
-    result. `config_file`: an `accelerate config` file (DDP); `what` names the stage in error messages;
-    `pythonpath` is prepended for the processes."""
+           pythonpath: list[str] = (), num_machines: int = 1, machine_rank: int = 0,
+           main_process_ip: str | None = None) -> Any:
+    """Call `target` ("module:function") with `args` in each of `num_processes` processes on this machine;
+    return rank 0's result (None on a machine other than 0, which has no rank 0). `config_file`: an
+    `accelerate config` file (DDP); `what` names the stage in error messages; `pythonpath` is prepended
+    for the processes. Several machines: `num_machines`, this one's `machine_rank`, and machine 0's
+    `main_process_ip` and `port`, the same on every machine."""
     config = check_accelerate_config(config_file, what) if config_file else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,13 +117,19 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
         stale.unlink(missing_ok=True)
     payload = run_dir / "payload.json"
     payload.write_text(json.dumps({"target": target, "args": args, "run_dir": str(run_dir)}, indent=1))
+    if num_machines > 1 and (port is None or main_process_ip is None):
+        raise ConfigError(f"{what}.num_machines: {num_machines} machines need {what}.main_process_ip and "
+                          f"{what}.main_process_port, the same on every machine")
     port = port or free_port()
-    cmd = launch_command(payload, num_processes, port, config)
+    cmd = launch_command(payload, num_processes, port, config, num_machines=num_machines,
+                         machine_rank=machine_rank, main_process_ip=main_process_ip)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(PROJECT_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_processes)))
     env["PYTHONUNBUFFERED"] = "1"
-    log.info("%s: launching %d processes (port %d): %s", what, num_processes, port, " ".join(cmd[1:]))
+    where = (f"machine {machine_rank} of {num_machines}, rendezvous {main_process_ip}:{port}" if num_machines > 1
+             else f"port {port}")
+    log.info("%s: launching %d processes (%s): %s", what, num_processes, where, " ".join(cmd[1:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=PROJECT_ROOT, start_new_session=True)  # its own group: we can stop all of it
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -119,18 +144,21 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
     except BaseException:
         _stop(proc)
         raise
-    raised = _raised_in_worker(run_dir, what)
+    alone = f"{what}.num_processes=1" if num_machines == 1 else f"{what}.num_machines=1 and {what}.num_processes=1"
+    raised = _raised_in_worker(run_dir, what, alone)
     if raised is not None:
         raise raised
     if rc != 0:
         raise LaunchError(
             f"{what}: the {num_processes}-process run under accelerate launch failed (exit status {rc}); its last "
             f"lines: {' | '.join(list(tail)[-8:])}. Fix the cause above (the full output is in the stage log), "
-            f"or set {what}.num_processes=1 to run in one process")
+            f"or set {alone} to run in one process")
+    if machine_rank > 0:
+        return None  # rank 0, and with it the result, lives on machine 0
     result = run_dir / "result.json"
     if not result.is_file():
         raise LaunchError(f"{what}: the launched processes exited without a result from rank 0 ({result}); "
-                          f"see the stage log, or set {what}.num_processes=1")
+                          f"see the stage log, or set {alone}")
     return json.loads(result.read_text())
 
 
@@ -147,7 +175,7 @@ def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
             continue
 
 
-def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
+def _raised_in_worker(run_dir: Path, what: str, alone: str) -> FinetuneError | None:
     """The first error a process reported (the cause; the others' errors follow from it, e.g. a lost
     peer): a FinetuneError rebuilt with its own class, anything else a LaunchError naming it and the fix."""
     reports = [json.loads(p.read_text()) for p in run_dir.glob("error-*.json")]
@@ -159,11 +187,51 @@ def _raised_in_worker(run_dir: Path, what: str) -> FinetuneError | None:
         hint = (f"lower {what}.micro_batch_size (the out-of-memory back-off works in one process only), or "
                 if "out of memory" in info["message"].lower() else "fix the cause, or ")
         return LaunchError(f"{what}: {where} under accelerate launch failed with {info['type']}: {info['message']} "
-                           f"(traceback in the stage log); {hint}set {what}.num_processes=1 to run in one process")
+                           f"(traceback in the stage log); {hint}set {alone} to run in one process")
     return None
 
 
 # ---------------------------------------------------------------- inside each launched process
+
+def share_folder(folder: Path | None, dest: Path, device: Any) -> Path | None:
+    """Global rank 0's `folder` (or None) on every rank: the others receive a copy of its files under `dest`
+    over the process group, for machines that do not see rank 0's disk (a resume checkpoint). Every rank
+    calls it (a collective); `device` is where the backend's tensors live (CUDA for NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    header, blob = b"", b""
+    if rank == 0 and folder is not None:
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        header = json.dumps({"name": folder.name,
+                             "files": [[str(p.relative_to(folder)), p.stat().st_size] for p in files]}).encode()
+        blob = b"".join(p.read_bytes() for p in files)
+    sizes = torch.tensor([len(header), len(blob)], dtype=torch.long, device=device)
+    dist.broadcast(sizes, 0)
+    n_header, n_blob = sizes.tolist()
+    if n_header == 0:
+        return None
+    parts = []
+    for n, data in ((n_header, header), (n_blob, blob)):
+        t = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
+             else torch.empty(n, dtype=torch.uint8, device=device))
+        if n:
+            dist.broadcast(t, 0)
+        parts.append(t.cpu().numpy().tobytes())
+    if rank == 0:
+        return folder
+    spec = json.loads(parts[0])
+    target = dest / spec["name"]
+    if target.exists():
+        shutil.rmtree(target)
+    offset = 0
+    for rel, size in spec["files"]:
+        (target / rel).parent.mkdir(parents=True, exist_ok=True)
+        (target / rel).write_bytes(parts[1][offset:offset + size])
+        offset += size
+    return target
+
 
 def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import FinetuneError
-from stages.engine.runner import Stage, check_run_options
+from stages.engine.runner import JOINED, Stage, check_run_options
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome
 
@@ -42,7 +42,7 @@ def load_args(args: argparse.Namespace, graph: Iterable[Stage]) -> PipelineConfi
 
 
 def describe(o: Outcome) -> str:
-    status = "computed" if o.computed else "cached"
+    status = "computed" if o.computed else JOINED if o.reason == JOINED else "cached"
     secs = o.manifest.get("duration_s", 0)
     return f"  {o.stage:<10} {status:<8} {secs:>8.1f}s  {o.key[:12]}  {o.path}"
 

@@ -5,6 +5,8 @@ order, see stages/graph.py); the engine never names a stage. The Prefect flow ca
 from __future__ import annotations
 
 import logging
+import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,13 @@ class Stage:
     # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
     # names, which size the model's head) before any key is computed, so every key covers the values used.
     resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    # Says (a line, else None) when this run only takes part in a computation another machine commits
+    # (a training across machines, on machine_rank > 0): the body then runs in a scratch folder outside
+    # the store - no lease, nothing committed - and the pipeline stops after it.
+    joins: Callable[[PipelineConfig], str | None] | None = None
+
+
+JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
 
 
 class ConfigView:
@@ -161,6 +170,9 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
         upstream={u: o.path for u, o in ups.items()},
         upstream_manifests={u: o.manifest for u, o in ups.items()},
         log=logging.getLogger(f"finetune.{st.name}"))
+    # joining another machine's run, unless its artifact is in the store already (nobody there to join)
+    if st.joins is not None and (role := st.joins(cfg)) and (force or cached_outcome(store, item, done, verify) is None):
+        return joined_stage(item, store, ctx_factory, role)
     if st.precheck and not force and store.problems(sk.stage, sk.key):
         st.precheck(cfg)
     outcome = store.run(
@@ -170,6 +182,21 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
         force=force, verify=verify)
     store.set_ref(cfg.name, st.name, sk.key)
     return outcome
+
+
+def joined_stage(item: Planned, store: Store, ctx_factory: Callable[[Path, Path], StageContext],
+                 role: str) -> Outcome:
+    """Run the body to help another machine compute the stage (Stage.joins): in a scratch folder, without
+    the key's lease (that machine holds it) and committing nothing."""
+    log.info("%s: %s; nothing is committed here", item.stage.name, role)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"finetune-{item.stage.name}-joined-") as scratch:
+        out, work = Path(scratch) / "out", Path(scratch) / "work"
+        out.mkdir()
+        work.mkdir()
+        metrics = item.stage.body(ctx_factory(out, work)) or {}
+    return Outcome(item.stage.name, item.key.key, store.artifact_dir(item.stage.name, item.key.key), False, JOINED,
+                   {"duration_s": time.perf_counter() - t0, "metrics": metrics, "role": role})
 
 
 def cached_outcome(store: Store, item: Planned, done: dict[str, Outcome], verify: bool = False) -> Outcome | None:
@@ -224,6 +251,9 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
             if on_outcome:
                 on_outcome(outcome)
             name = None
+            if outcome.reason == JOINED:  # no artifact on this machine for the stages after it
+                log.info("%s joined another machine's run: the stages after it run there", item.stage.name)
+                break
     except BaseException as err:
         record.failed(name, err)
         raise

@@ -41,9 +41,11 @@ class RunRecord:
             pass
 
     def stage(self, o: Outcome) -> None:
-        metrics = o.manifest.get("metrics")
-        self.data["stages"].append({"stage": o.stage, "status": "computed" if o.computed else "cached",
-                                    "key": o.key, "duration_s": o.manifest.get("duration_s")})
+        manifest = o.manifest or {}  # none on this machine for a stage that joined another machine's run
+        metrics = manifest.get("metrics")
+        status = "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
+        self.data["stages"].append({"stage": o.stage, "status": status, "key": o.key,
+                                    "duration_s": manifest.get("duration_s")})
         if o.stage in METRIC_STAGES and isinstance(metrics, dict):
             self.data["metrics"][o.stage] = scalars(metrics)
         if o.stage == "train" and isinstance(metrics, dict):

@@ -198,7 +198,7 @@ class TrainConfig(Section):
                                   "error halves it and doubles accumulation)")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; effective "
                                              "batch = micro_batch_size x gradient_accumulation_steps x "
-                                             "num_processes rows, the loss normalised over all of it")
+                                             "num_processes x num_machines rows, the loss normalised over all of it")
     epochs: float = Field(1, gt=0, description="passes over the train split, may be fractional; max_steps wins "
                           "when set")
     max_steps: int | None = Field(None, ge=1, description="optimizer steps to train; null: from epochs")
@@ -229,12 +229,22 @@ class TrainConfig(Section):
     keep_checkpoints: int = runtime(2, ge=1, description="resume checkpoints kept, the most recent ones")
     log_every: int = runtime(10, ge=1, description="optimizer steps between log lines (with the gradient norm "
                              "before clipping); metrics.jsonl and TensorBoard record every step")
-    num_processes: int = Field(1, ge=1, description="processes training together, one per GPU (gloo processes on "
-                               "a CPU-only machine); > 1 runs the stage under `accelerate launch` with DDP. "
-                               "Effective batch = micro_batch_size x gradient_accumulation_steps x num_processes, "
-                               "so it is in the key")
+    num_processes: int = Field(1, ge=1, description="processes training together on this machine, one per GPU "
+                               "(gloo processes on a CPU-only machine); > 1 (or num_machines > 1) runs the stage "
+                               "under `accelerate launch` with DDP. Effective batch = micro_batch_size x "
+                               "gradient_accumulation_steps x num_processes x num_machines, so it is in the key")
+    num_machines: int = Field(1, ge=1, description="machines training together, num_processes each: every machine "
+                              "runs the same pipeline command with its own machine_rank and the same "
+                              "main_process_ip / main_process_port (torchrun's rendezvous); part of the global "
+                              "batch, so in the key")
+    machine_rank: int = runtime(0, ge=0, description="num_machines > 1: this machine's rank, 0 .. num_machines - 1. "
+                                "Machine 0 hosts the rendezvous, and its first process alone writes checkpoints "
+                                "and the artifact; on the others the run commits nothing and stops after train")
+    main_process_ip: str | None = runtime(None, description="num_machines > 1: the address of machine 0, reachable "
+                                          "from every machine (required there)")
     main_process_port: int | None = runtime(None, ge=1, le=65535, description="num_processes > 1: the port the "
-                                            "processes rendezvous on; default a free one")
+                                            "processes rendezvous on (machine 0's); default a free one on one "
+                                            "machine, required with num_machines > 1")
     accelerate_config: str | None = runtime(None, description="num_processes > 1: an `accelerate config` file "
                                             "(machine settings such as gpu_ids) for accelerate launch; DDP only "
                                             "(distributed_type MULTI_GPU / MULTI_CPU)")
@@ -263,6 +273,16 @@ class TrainConfig(Section):
         if self.early_stopping is not None and self.select_best is None:
             raise ValueError("early_stopping watches select_best.metric: set train.select_best "
                              "(e.g. {metric: val_loss}) too")
+        return self
+
+    @model_validator(mode="after")
+    def _machines_meet_at_one_address(self) -> TrainConfig:
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank {self.machine_rank} is not below num_machines {self.num_machines}: "
+                             f"number the machines 0 .. {self.num_machines - 1}")
+        if self.num_machines > 1 and (self.main_process_ip is None or self.main_process_port is None):
+            raise ValueError("num_machines > 1 needs train.main_process_ip (machine 0's address, reachable from "
+                             "every machine) and train.main_process_port (the same on every machine)")
         return self
 
 

@@ -59,6 +59,10 @@ CASES = [
      "--set adapters: method 'lora' needs target_modules (e.g. [q_proj, v_proj])"),
     (None, ["data.split.mode=shuffle_concat"], "bloom-imdb",
      "--set data.split: shuffle_concat needs train, validation and test row counts"),
+    (None, ["train.num_machines=2"], "bloom-imdb",
+     "--set train: num_machines > 1 needs train.main_process_ip (machine 0's address, reachable from every machine)"),
+    (None, ["train.machine_rank=2", "train.num_machines=2"], "bloom-imdb",
+     "--set train: machine_rank 2 is not below num_machines 2: number the machines 0 .. 1"),
 ]
 
 

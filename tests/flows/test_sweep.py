@@ -1,18 +1,26 @@
 """Sweeps: a tiny sweep over two learning rates through the `sweep` flow (a temporary Prefect server for the
 module; each child run in its own process) computes the stages the variants share once, sequentially and two at
-a time; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
+a time (Prefect's thread-pool task runner), and SIGTERM ends the children; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
 are one line and exit 2, before Prefect starts."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
-from helpers import ROOT, needs_shared_data
+from helpers import ROOT, needs_shared_data, subprocess_env
 
 import flows.orchestration  # noqa: F401  (project Prefect defaults)
 from flows.inspect import main as inspect_main
@@ -241,3 +249,44 @@ def test_a_mapping_valued_variant_names_its_task_run_as_given():
     with pytest.raises(KeyError):
         label.format(sweep_name="imdb-90")
     assert literal_task_run_name(label).format(sweep_name="imdb-90") == label
+
+
+@needs_shared_data
+def test_sigterm_ends_the_parallel_children_and_the_temporary_server(tmp_path):
+    """`python -m flows.sweep ... --parallel 2` (Prefect's thread-pool task runner, one process per child)
+    stopped by `kill PID` while both children train: it exits 143 within seconds, no child process is left
+    in its process group, and its temporary Prefect server is stopped."""
+    env = subprocess_env(tmp_path / "store")
+    env.pop("PREFECT_API_URL", None)  # a temporary server, as for a user without one
+    log = tmp_path / "out.log"
+    with log.open("w") as fh:
+        p = subprocess.Popen([sys.executable, "-m", "flows.sweep", "tiny-imdb", "--grid", "train.lr=1e-3,1e-2",
+                              "--set", "train.epochs=1000", "--set", "data.subset={train: 32, validation: 8, test: 8}",
+                              "--parallel", "2"], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while len(re.findall(r"finetune\.train - train: \d+ examples", log.read_text())) < 2:  # both train
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+            stopped_at = time.monotonic()
+            p.send_signal(signal.SIGTERM)
+            code = p.wait(timeout=90)
+            print(f"sigterm: exit {code} after {time.monotonic() - stopped_at:.1f} s")  # shown with pytest -s -n 0
+            left = time.monotonic() + 20
+            while True:  # the children exit with the sweep (and are reaped by init)
+                try:
+                    os.killpg(p.pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() < left, "a child process outlived the sweep"
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever is left in its group
+                os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert code == 143, out[-3000:]
+    assert "terminated; committed stages stay in the store" in out
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

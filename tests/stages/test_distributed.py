@@ -1,22 +1,25 @@
-"""Multi-process training: the train loop under `accelerate launch` (2 gloo processes on CPU) against one
-process on the same data order."""
+"""Multi-process training: the train loop under `accelerate launch` (2 gloo processes on CPU; or 2 "machines"
+of 1 process each, two launcher invocations meeting at one rendezvous on loopback) against one process on
+the same data order."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import needs_shared_data, run
+from helpers import needs_shared_data, run, spawn
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import checkpoints
-from stages.common.distributed import LaunchError, launch
+from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
+from stages.engine.store import Store
 from stages.train import train_model
 
 HERE = Path(__file__).resolve().parent
@@ -93,6 +96,57 @@ def test_two_processes_by_1x2_match_one_process_by_1x4(tmp_path, reference):
     assert [s for s, _ in checkpoints(work / "checkpoints")] == [10, 14]
 
 
+def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
+    """Machines 0 and 1, one process each: two `accelerate launch` invocations (machine 1's in a thread),
+    each with its own work and launch folders, meeting at one rendezvous on 127.0.0.1. Returns both results."""
+    port = free_port()
+
+    def machine(rank: int) -> dict | None:
+        d = tmp_path / f"machine{rank}"
+        return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
+                                                      "weights": str(tmp_path / f"w{rank}.st"), **extra},
+                      1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
+                      main_process_ip="127.0.0.1", port=port)
+
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(machine, 1)
+        try:
+            first = machine(0)
+        finally:
+            second = other.result()  # on a failure machine 0's error wins; machine 1's is chained to it
+    return first, second
+
+
+def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, reference):
+    """Acceptance: 2 machines x 1 process (gloo) x micro-batch 1 x accumulation 2 = 1 process x 1 x 4. Machine
+    1's process dies after step 7; on the rerun machine 0's step-5 checkpoint, which machine 1 cannot see,
+    reaches it over the process group, both resume from step 5 and end on the reference weights. The first
+    process of machine 0 alone wrote the weights, the run log and the checkpoints."""
+    from safetensors.torch import load_file
+
+    ref, ref_weights = reference
+    with pytest.raises(LaunchError, match=r"under accelerate launch failed .*set train.num_machines=1 and train.num_processes=1"):
+        two_machines(tmp_path, crash_at=7)
+    assert [s for s, _ in checkpoints(tmp_path / "machine0" / "work" / "checkpoints")] == [5]
+    m, other = two_machines(tmp_path)
+    diff = max_diff(ref_weights, load_file(str(tmp_path / "w0.st")))
+    print(f"2 machines x 1 process x 1 x 2 (crashed after step 7, resumed from step 5) vs 1 process x 1 x 4, "
+          f"{m['steps']} steps: max |w2 - w1| = {diff:.2e}")
+    assert diff < 1e-5
+    assert m["resumed_from_step"] == 5 and other is None and not (tmp_path / "w1.st").exists()
+    assert m["steps"] == ref["steps"] == 14 and m["effective_batch"] == ref["effective_batch"] == 4
+    assert m["num_processes"] == 2 and m["num_machines"] == 2 and m["gradient_accumulation_steps"] == 2
+    assert m["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
+    assert [s for s, _ in checkpoints(tmp_path / "machine0" / "work" / "checkpoints")] == [10, 14]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "machine0" / "out" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["kind"] == "train"]
+    assert steps == list(range(1, 15))
+    # machine 1 wrote nothing but the checkpoint it received
+    assert not (tmp_path / "machine1" / "out").exists()
+    assert [p.name for p in (tmp_path / "machine1" / "work").iterdir()] == ["received"]
+    assert [s for s, _ in checkpoints(tmp_path / "machine1" / "work" / "received" / "rank-1")] == [5]
+
+
 @needs_shared_data
 def test_the_stage_with_two_processes_through_the_store(store_dir):
     """train.num_processes=2 on tiny-imdb: the stage launches itself, rank 0 writes the artifact, the
@@ -108,6 +162,30 @@ def test_the_stage_with_two_processes_through_the_store(store_dir):
     load_trained(out["model"].path, out["adapters"].path, art)
     with pytest.raises(ConfigError, match=r"fp16 needs a CUDA GPU.*\(raised in process [01] of 2\)"):
         run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", "train.mixed_precision=fp16", until="train")
+
+
+@needs_shared_data
+def test_the_stage_on_two_machines_each_with_its_own_store(tmp_path, store_dir):
+    """The multi-machine walkthrough on loopback: the same pipeline command on "machine 1" (a `python -m
+    stages` process with its own store) and on machine 0 (this process), machine_rank apart. Machine 0
+    commits the train artifact of the global batch; machine 1 trained with it, committed no train artifact
+    and stopped after train."""
+    sets = ["train.max_steps=2", "train.num_machines=2", "train.main_process_ip=127.0.0.1",
+            f"train.main_process_port={free_port()}"]
+    other = spawn(["tiny-imdb", "--until", "evaluate", *[a for s in [*sets, "train.machine_rank=1"] for a in ("--set", s)]],
+                  tmp_path / "store1")
+    try:
+        out = run("tiny-imdb", *sets, until="train")
+    finally:
+        printed, _ = other.communicate(timeout=600)
+    assert other.returncode == 0, printed[-3000:]
+    m = out["train"].manifest["metrics"]
+    assert (m["num_machines"], m["num_processes"], m["micro_batch_size"], m["gradient_accumulation_steps"]) == (2, 2, 4, 2)
+    assert m["effective_batch"] == 16 and m["steps"] == 2
+    joined = [line for line in printed.splitlines() if line.strip().startswith("train ")]
+    assert len(joined) == 1 and "joined" in joined[0] and out["train"].key[:12] in joined[0], printed[-3000:]
+    assert "evaluate " not in printed  # machine 1 stops after train: it has no train artifact
+    assert {stage for stage, _, _ in Store(tmp_path / "store1").entries()} == {"data", "tokenize", "model", "adapters"}
 
 
 def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path, reference, caplog):
