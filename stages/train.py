@@ -16,9 +16,8 @@ out-of-memory error halves the micro-batch and doubles accumulation (the same ef
 retries the step. Before each optimizer step the gradient norm is measured and the step checked for
 divergence; validation runs at each epoch end and every `train.eval_every` steps, and may keep the best
 weights and stop early (stages/common/health.py). What the run shows and leaves: stages/common/runlog.py.
-Ctrl-C or SIGTERM: the step in progress is abandoned at its next micro-batch (or finished, past its
-backward), a resume checkpoint is written at the last finished step, then the signal takes its course
-(stages/common/interrupt.py); the next run of the same key resumes there.
+Ctrl-C or SIGTERM: a resume checkpoint at the last finished step (the step in progress abandoned at its next
+micro-batch), then the signal takes its course (stages/common/interrupt.py); the next run resumes there.
 
 Cleanup: metrics and plot into the artifact; with train.select_best the best weights are loaded back (the
 last ones beside them, in last/); `run` saves the trained weights (PEFT adapter for LoRA, else the model).
@@ -55,11 +54,8 @@ from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
     load_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
     trainable_state,
-    write_resume_point,
 )
 from stages.common.device import (
     enable_gradient_checkpointing,
@@ -171,7 +167,7 @@ class TrainRun:
         self.watchdog = Watchdog(tcfg.divergence_factor, tcfg.max_skipped_steps, self.scaler is not None,
                                  self.ckpt_dir, self.effective)
         self.saved_step = self.resumed_from  # the step of the newest checkpoint on disk
-        self.stop = DeferredStop(enabled=False)
+        self.stop = DeferredStop(enabled=self.world == 1)  # Ctrl-C / SIGTERM: see stop_here
         self.runlog = (RunLog(work_dir / "logs", self.progress.step, log, self.total_steps) if self.is_main
                        else NoRunLog(log))
         self.last_loss: float | None = None
@@ -186,22 +182,19 @@ class TrainRun:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
-        """The loop over optimizer steps, one effective batch each, epoch by epoch (each its own order).
-        Ctrl-C / SIGTERM: a checkpoint at the last finished step, then the signal goes on (stop_here)."""
+        """The loop over optimizer steps, one effective batch each, epoch by epoch (each its own order)."""
         p, cfg = self.progress, self.tcfg
-        self.stop = DeferredStop(enabled=self.world == 1)
         try:
             self.stop.__enter__()
             while p.step < self.total_steps and p.stopped is None:
                 plan = epoch_batches(self.rows.lengths, self.effective, cfg.seed, p.epoch, cfg.group_by_length)
                 while p.batches_done < len(plan) and p.step < self.total_steps:
                     t0 = time.perf_counter()
-                    start_rng = rng_state() if self.stop.enabled else None
+                    self.stop.step_starts()
                     try:
                         loss, real, padded = self.forward_backward(plan[p.batches_done])
                     except StepAbandoned:  # the step never happened: no gradients, the RNG as at its start
-                        self.optimizer.zero_grad(set_to_none=True)
-                        set_rng_state(start_rng)
+                        self.stop.rewind(self.optimizer)
                         self.stop_here()
                         continue  # the handler let the run go on: the step again
                     norm = grad_norm(self.model, self.accelerator, cfg.max_grad_norm)  # before clipping
@@ -218,30 +211,28 @@ class TrainRun:
                         self.checkpoint()
                     if self.on_step is not None:
                         self.on_step(p.step, loss)
-                    if self.stop.requested:
-                        self.stop_here()
+                    self.stop_here()
                     if epoch_end or p.stopped:
                         break  # the next epoch has its own order
             # ended mid-epoch, not on an evaluation: the last weights are validated too (decided alike on
             # every rank: validate() broadcasts across processes)
             if p.batches_done and p.stopped is None and not (cfg.eval_every and p.step % cfg.eval_every == 0):
                 self.validate()
-            if self.stop.requested:  # came during that validation
-                self.stop_here()
+            self.stop_here()  # a signal during that validation
         finally:
             self.stop.__exit__()
             self.runlog.close()
 
     def stop_here(self) -> None:
-        """A stop signal came: a resume checkpoint at the last finished step (unless one is there), then the
-        signal's own handler (its exception leaves the loop)."""
+        """After a stop signal: a checkpoint at the last finished step, then the signal's own handler."""
         p = self.progress
+        if not self.stop.requested:
+            return
         if p.step and self.saved_step != p.step:
             self.checkpoint()
-        name = self.stop.name
-        self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s", name, p.step, self.total_steps,
-                         f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}; the next run resumes from it"
-                         if p.step else "no step finished yet, nothing to save")
+        self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s", self.stop.name, p.step, self.total_steps,
+                         f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}; the next run resumes from it" if p.step
+                         else "no step finished yet, nothing to save")
         self.stop.deliver()
 
     # ------------------------------------------------------------------ one step
@@ -325,8 +316,8 @@ class TrainRun:
         if self.is_main:
             best = self.keeper.path if self.progress.best is not None else None
             save_checkpoint(self.ckpt_dir, self.progress, self.core, self.optimizer, self.scheduler, self.scaler,
-                            self.tcfg.keep_checkpoints, links={"best.safetensors": best} if best else None)
-            write_resume_point(self.ckpt_dir.parent, self.progress.step, self.total_steps)
+                            self.tcfg.keep_checkpoints, links={"best.safetensors": best} if best else None,
+                            of=self.total_steps)
         self.saved_step = self.progress.step
 
     # ------------------------------------------------------------------ cleanup

@@ -114,8 +114,10 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any, scaler: Any, keep: int, links: dict[str, Path] | None = None) -> Path:
-    """`links`: files to hold in the checkpoint under these names, hard-linked (copied where links fail)."""
+                    scheduler: Any, scaler: Any, keep: int, links: dict[str, Path] | None = None,
+                    of: int | None = None) -> Path:
+    """`links`: files to hold in the checkpoint under these names, hard-linked (copied where links fail).
+    `of`: the run's planned steps, for `inspect status` ("resumable from step N of M": write_resume_point)."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a dead writer's leftovers
         shutil.rmtree(stale, ignore_errors=True)
@@ -138,6 +140,8 @@ def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Modu
     fsync_path(root)
     for _, old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    if of is not None:
+        write_resume_point(root.parent, progress.step, of)
     return final
 
 

@@ -21,6 +21,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from stages.common.checkpoint import rng_state, set_rng_state
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -33,6 +35,7 @@ class DeferredStop:
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signum: int | None = None
         self.previous: dict[int, Any] = {}
+        self.step_rng: dict[str, Any] | None = None
 
     def __enter__(self) -> DeferredStop:
         if self.enabled:
@@ -63,6 +66,18 @@ class DeferredStop:
     @property
     def requested(self) -> bool:
         return self.signum is not None
+
+    def step_starts(self) -> None:
+        """An optimizer step begins: its RNG state kept, to be put back if the step is abandoned."""
+        if self.enabled:
+            self.step_rng = rng_state()
+
+    def rewind(self, optimizer: Any) -> None:
+        """An abandoned step: its partial gradients dropped, the RNG as at its start (a resumed run then
+        redoes the step exactly)."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.step_rng is not None:
+            set_rng_state(self.step_rng)
 
     def check(self) -> None:
         """Between micro-batches: a requested stop abandons the step."""
