@@ -9,7 +9,7 @@ from pathlib import Path
 from stages.engine.cli import describe, guarded, parser, setup_logging
 from stages.engine.config import store_root
 from stages.engine.remote_store import open_store
-from stages.graph import load_args, run_pipeline
+from stages.graph import load_args, precheck, run_pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         cfg = load_args(args)
+        precheck(cfg, args.only, args.until)  # one line and exit 2 before the store is opened
         setup_logging()
         store = open_store()
         print(f"pipeline {cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)

@@ -14,7 +14,9 @@ The manifest records the names.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -69,10 +71,12 @@ def mirror_files(data_cfg: Any) -> list[Path]:
     return []
 
 
-def source_files(cfg: PipelineConfig) -> list[Path]:
-    """The files the data stage will read (their content goes into its key)."""
+def source_files(cfg: PipelineConfig) -> list[Path] | dict[str, Path]:
+    """The files the data stage will read (their content goes into its key). A local data.path is keyed by
+    its file's name (a folder: its files' names inside it), not where it lies: moved, it hits the cache."""
     if cfg.data.source == "local" or cfg.data.path:
-        return [local_path(cfg.data.path)]
+        path = local_path(cfg.data.path)
+        return {"data.path" if path.is_dir() else f"data.path {path.name}": path}
     return mirror_files(cfg.data)
 
 
@@ -175,10 +179,13 @@ def label_ids(values: pd.Series, names: list[str] | None, num_labels: int, split
     return ids.astype("int64").to_numpy()
 
 
+MISSING_WORDS = ("nan", "na", "n/a", "null", "none")  # a CSV cell holding one of these (any case) is missing
+
+
 @functools.lru_cache(maxsize=32)
-def _label_column(path: str, column: str, size: int, mtime_ns: int) -> tuple[tuple[str, ...], int | None]:
-    """(the distinct labels of one file as text, sorted; its largest id, or None when a label is not an
-    integer). Cached per file version: plans run often, the column is read once."""
+def _label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColumn:
+    """The label column of one file, summarised (LabelColumn). Cached per file version: plans run often,
+    the column is read once."""
     p = Path(path)
     name = p.name.lower()
     try:
@@ -188,11 +195,62 @@ def _label_column(path: str, column: str, size: int, mtime_ns: int) -> tuple[tup
             values = pd.read_parquet(p, columns=[column])[column]
         else:
             values = _read_table(p)[column]
-    except (KeyError, ValueError):  # no such column: the data stage says so, naming the columns
-        return (), None
+    except (KeyError, ValueError):  # no such column
+        return LabelColumn((), None, None, ())
+    line0 = 2 if name.endswith((".csv", ".csv.gz")) else 1  # the file's line of row 0 (a CSV's header is line 1)
+    text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    blank = text.str.strip().eq("") | text.str.strip().str.lower().isin(MISSING_WORDS)
+    empty = None
+    if blank.any():
+        row = int(blank.to_numpy().argmax())
+        raw = values.iloc[row]
+        what = ("empty" if raw.strip() == "" else f"missing ({raw!r})") if isinstance(raw, str) else "missing (null)"
+        empty = (row + line0, what)
     ids = pd.to_numeric(values, errors="coerce")
     integer = len(values) > 0 and not (ids.isna() | (ids % 1 != 0)).any()
-    return tuple(sorted({str(v) for v in values})), (int(ids.max()) if integer else None)
+    firsts = text[~text.duplicated()]
+    return LabelColumn(tuple(sorted(set(text[~blank]))), (int(ids.max()) if integer else None), empty,
+                       tuple((v, int(i) + line0) for i, v in firsts.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelColumn:
+    values: tuple[str, ...]  # the distinct labels as text, sorted (the missing ones left out)
+    top: int | None  # the largest id when every label is an integer, else None
+    missing: tuple[int, str] | None  # (line, "empty" / "missing (nan)") of the first label that is not there
+    first_lines: tuple[tuple[str, int], ...]  # each distinct label and the line it first appears on
+
+
+def _local_label_files(d: Any) -> list[Path] | None:
+    """The tabular files a local data.path holds (None for aclImdb, whose labels are its folders)."""
+    path = local_path(d.path)
+    if (path.is_dir() and (path / "train" / "pos").is_dir()) or path.name.endswith((".tar.gz", ".tgz", ".tar")):
+        return None
+    return [path] if path.is_file() else [f for f in sorted(path.iterdir())
+                                          if f.name.lower().endswith(TABULAR) and _split_of(f.name)]
+
+
+def _columns(f: Path) -> list[str]:
+    return [str(c) for c in _read_table(f).columns]
+
+
+def _label_columns(d: Any) -> list[tuple[Path, LabelColumn]]:
+    """Each local file's label column, a file without the column or with a missing label refused (DataError
+    naming the file, its line and the column)."""
+    out = []
+    for f in _local_label_files(d) or []:
+        col = _label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns)
+        if not col.values and col.missing is None:
+            if d.label_column not in _columns(f):
+                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(_columns(f))}); "
+                                        f"set data.label_column to one of them")
+            continue  # an empty file: the data stage says so
+        if col.missing is not None:
+            line, what = col.missing
+            raise DataError(f"{f}: line {line}, column '{d.label_column}': {what} label; give every row its "
+                            f"class (or remove the row)")
+        out.append((f, col))
+    return out
 
 
 def found_labels(cfg: Any) -> tuple[list[str] | None, int | None]:
@@ -202,16 +260,32 @@ def found_labels(cfg: Any) -> tuple[list[str] | None, int | None]:
     d = cfg.data
     if not (d.source == "local" or d.path):
         return (list(IMDB_LABEL_NAMES), 1) if d.source == "imdb" else (None, None)
-    path = local_path(d.path)
-    if (path.is_dir() and (path / "train" / "pos").is_dir()) or path.name.endswith((".tar.gz", ".tgz", ".tar")):
+    if _local_label_files(d) is None:
         return list(IMDB_LABEL_NAMES), 1
-    files = [path] if path.is_file() else [f for f in sorted(path.iterdir())
-                                           if f.name.lower().endswith(TABULAR) and _split_of(f.name)]
-    found = [_label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    found = [(values, top) for values, top in found if values]
-    if any(top is None for _, top in found):
-        return sorted({v for values, _ in found for v in values}), None
-    return None, max((top for _, top in found if top is not None), default=None)
+    found = _label_columns(d)
+    if any(col.top is None for _, col in found):
+        return sorted({v for _, col in found for v in col.values}), None
+    return None, max((col.top for _, col in found if col.top is not None), default=None)
+
+
+def check_local_labels(cfg: Any, names: list[str] | None, n: int) -> None:
+    """Before the run: every label of a local file is one of `names` (names given), or an id below n."""
+    d = cfg.data
+    if not (d.source == "local" or d.path) or _local_label_files(d) is None:
+        return
+    for f, col in _label_columns(d):
+        if col.top is not None and names is None:
+            bad = [(v, line) for v, line in col.first_lines if not 0 <= int(float(v)) < n]
+            fix = f"is outside 0..{n - 1} (model.num_labels {n}); fix the data or set model.num_labels"
+        elif names is not None:
+            ok = set(names) | ({str(i) for i in range(len(names))} if col.top is not None else set())
+            bad = [(v, line) for v, line in col.first_lines if v not in ok]
+            fix = f"is not in data.label_names {names}; add it there (or leave data.label_names null) or fix the data"
+        else:
+            continue
+        if bad:
+            value, line = bad[0]
+            raise DataError(f"{f}: line {line}, column '{d.label_column}': label {value!r} {fix}")
 
 
 def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
@@ -237,6 +311,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
                  else f"data.label_column '{cfg.data.label_column}' holds")
         raise ConfigError(f"model.num_labels is {n} but {where} {len(names)} names ({shown}); leave "
                           f"model.num_labels out (null) to infer it, or fix data.label_names / data.label_column")
+    check_local_labels(cfg, names, n)
     if names == cfg.data.label_names and n == cfg.model.num_labels:
         return cfg
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"label_names": names}),

@@ -29,8 +29,9 @@ import torch
 
 from stages.common import metrics
 from stages.common.arrow import read_split
-from stages.common.batching import IGNORE_INDEX, collate, split_micro
-from stages.common.hf import load_tokenizer, special_affixes
+from stages.common.batching import collate, split_micro
+from stages.common.generation import generate, prompt_of, stop_token
+from stages.common.hf import load_tokenizer
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
 from stages.common.progress import iterate
@@ -74,10 +75,8 @@ def device_for(model: torch.nn.Module) -> torch.device:
 def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
     """Greedy (num_beams 1) or beam search; length_penalty only means something with beams. Generation
     stops at the token the targets were tokenized to end with (the tokenizer's closing special)."""
-    _, tail = special_affixes(tok)
-    eos = tail[-1] if tail else (tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id)
     kw: dict[str, Any] = {"max_new_tokens": e.max_new_tokens, "num_beams": e.num_beams, "do_sample": False,
-                          "eos_token_id": eos, "pad_token_id": tok.pad_token_id}
+                          "eos_token_id": stop_token(tok, model), "pad_token_id": tok.pad_token_id}
     if e.num_beams > 1:
         kw["length_penalty"] = e.length_penalty
         kw["early_stopping"] = True
@@ -99,45 +98,6 @@ def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_s
         for j, p in zip(idx, logits.argmax(-1).tolist(), strict=True):
             preds[j] = int(p)
     return preds
-
-
-def prompt_of(input_ids: list[int], labels: list[int]) -> list[int]:
-    """causal_lm rows are prompt + target with the prompt's labels masked: the prompt is that prefix."""
-    n = next((k for k, y in enumerate(labels) if y != IGNORE_INDEX), len(labels))
-    return input_ids[:n]
-
-
-@torch.no_grad()
-def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
-             device: torch.device, decoder_only: bool, desc: str) -> tuple[list[str], list[int]]:
-    """Batched generation: (decoded texts, generated token counts), in the order of `prompts`.
-    Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
-    texts: list[str] = [""] * len(prompts)
-    counts: list[int] = [0] * len(prompts)
-    lengths = [len(p) for p in prompts]
-    pad = tok.pad_token_id
-    eos = gen.get("eos_token_id")
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
-    for idx in iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, log):
-        width = max(len(prompts[j]) for j in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, j in enumerate(idx):
-            p = torch.as_tensor(prompts[j], dtype=torch.long)
-            if decoder_only:
-                ids[r, width - len(p):], mask[r, width - len(p):] = p, 1
-            else:
-                ids[r, :len(p)], mask[r, :len(p)] = p, 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen)
-        # decoder-only: the prompt comes back first; encoder-decoder: the decoder start token does
-        new = out[:, width:] if decoder_only else out[:, 1:]
-        for r, j in enumerate(idx):
-            seq = new[r].tolist()
-            end = next((k for k, t in enumerate(seq) if t in stops), None)
-            seq = seq if end is None else seq[:end + 1]  # a finished row is padded after its end token
-            counts[j] = len(seq)
-            texts[j] = tok.decode(seq, skip_special_tokens=True).strip()
-    return texts, counts
 
 
 @torch.no_grad()

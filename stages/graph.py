@@ -16,6 +16,7 @@ from stages import export as export_stage
 from stages.common import distributed
 from stages.common.fit import check_pipeline_fits
 from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
+from stages.common.metrics import validation_metric_files
 from stages.common.models import input_files as model_input_files
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
@@ -32,6 +33,8 @@ STAGES: list[Stage] = [
         inputs=data.source_files,
         deps=data.source_deps,
         resolve=data.resolve_labels,  # data.label_names / model.num_labels from the data when left null
+        hub_fix="set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data, or --set data.source=local "
+                "--set data.path=FILE",
         libraries=("pandas", "pyarrow", "datasets"),
     ),
     Stage(
@@ -42,6 +45,8 @@ STAGES: list[Stage] = [
         upstream=("data",),
         inputs=tokenizer_files,
         deps=tokenizer_deps,
+        hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
+                "hub answers",
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
     ),
     Stage(
@@ -51,6 +56,7 @@ STAGES: list[Stage] = [
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         inputs=model_input_files,
         deps=model_deps,
+        hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
     ),
     Stage(
@@ -66,6 +72,7 @@ STAGES: list[Stage] = [
         reads=("train", "model.task"),
         joins=lambda cfg: distributed.joining(cfg.train),  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
+        inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
@@ -92,6 +99,11 @@ STAGES: list[Stage] = [
 def plan(cfg: PipelineConfig, store: Store | None = None) -> list[Planned]:
     """Every stage's key; input files hashed through the store's memo (default: the configured store)."""
     return runner.plan(cfg, STAGES, (store or open_store()).hashes())
+
+
+def precheck(cfg: PipelineConfig, only: str | None = None, until: str | None = None) -> PipelineConfig:
+    """Every check that needs no store and no run (runner.precheck): before Prefect starts."""
+    return runner.precheck(cfg, STAGES, only, until)
 
 
 def stage_names() -> list[str]:

@@ -94,23 +94,24 @@ def train_stage(task: str, tcfg: Any, upstream: dict[str, Path], out_dir: Path, 
 
     tok_dir = upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
-    pad_id = load_tokenizer(tok_dir / "tokenizer").pad_token_id
+    tokenizer = load_tokenizer(tok_dir / "tokenizer")
     model = load_trainable(upstream["model"], upstream["adapters"], gradient_checkpointing=tcfg.gradient_checkpointing)
-    metrics = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
-                          pad_id, out_dir, work_dir, log)
+    result = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
+                         tokenizer.pad_token_id, out_dir, work_dir, log, tokenizer=tokenizer)
     if distributed_rank() == 0:  # only rank 0 writes the artifact (0 without a process group)
         save_trained(model, out_dir / "trained", upstream["model"])
-    return metrics
+    return result
 
 
 def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
-                out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None) -> dict[str, Any]:
+                out_dir: Path, work_dir: Path, log: logging.Logger, *, on_step: Any = None,
+                tokenizer: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
     validation's weights); write metrics.jsonl, tensorboard/ and loss.png to out_dir; resume from (and
     checkpoint to) work_dir/checkpoints. Returns the manifest metrics. `on_step(step, loss)` is a test
-    hook called after every optimizer step. Under `accelerate launch` (N processes) each process trains
-    on its shard of every effective batch (shard_window); only rank 0 validates, logs and writes."""
-    trainer = TrainRun(model, train_ds, val_ds, tcfg, task, pad_id, work_dir, log, on_step)
+    hook called after every optimizer step (`tokenizer`: for a ROUGE select_best). Under `accelerate launch`
+    (N processes) each trains on its shard of every effective batch; only rank 0 validates, logs and writes."""
+    trainer = TrainRun(model, train_ds, val_ds, tcfg, task, pad_id, work_dir, log, on_step, tokenizer)
     trainer.train()
     return trainer.finish(out_dir)
 
@@ -119,12 +120,13 @@ class TrainRun:
     """One training run, torchtune's recipe shape: setup here, then train(), then finish()."""
 
     def __init__(self, model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: Any, task: str, pad_id: int,
-                 work_dir: Path, log: logging.Logger, on_step: Any = None):
+                 work_dir: Path, log: logging.Logger, on_step: Any = None, tokenizer: Any = None):
         if task not in TASKS:
             raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
         if pad_id is None:
             raise MissingInputError("train: the tokenizer has no pad token; the tokenize stage should set one")
-        self.tcfg, self.task, self.pad_id, self.log, self.on_step = tcfg, task, pad_id, log, on_step
+        self.tcfg, self.task, self.pad_id, self.log, self.on_step, self.tokenizer = (tcfg, task, pad_id, log,
+                                                                                     on_step, tokenizer)
         self.accelerator, self.precision = make_accelerator(tcfg.mixed_precision, log)
         self.device, self.world = self.accelerator.device, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
@@ -298,7 +300,8 @@ class TrainRun:
         decide to stop early; across processes that decision is broadcast to every rank."""
         p = self.progress
         if self.is_main and self.val_rows is not None:
-            res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device)
+            res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device,
+                                getattr(self.tcfg.select_best, "metric", None), self.tokenizer)
             rec = {"kind": "validation", "step": p.step, "epoch": p.epoch + 1, **res}
             p.history.append(rec)
             note = self.keeper.update(p, res, self.core)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 import sys
 
-from flows.reports.variants import add_sweep_args, adhoc_args, from_args, spec
+from flows.reports.variants import add_sweep_args, compare_hint, from_args, save_definition, spec
 from stages.engine.cli import guarded, parser, setup_logging
-from stages.engine.config import store_root
+from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
-from stages.graph import load_args, plan
+from stages.engine.remote_store import open_store
+from stages.graph import load_args, precheck
 
 
 def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
@@ -31,7 +31,7 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
     args = parser(prog, default_pipeline).parse_args(argv)
 
     def go() -> int:
-        plan(load_args(args))  # config and input files checked before Prefect starts
+        precheck(load_args(args), args.only, args.until)  # config, data, inputs, hub: before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
@@ -72,10 +72,13 @@ def sweep_main(argv: list[str] | None = None, prog: str = "python -m flows.sweep
         from flows.orchestration.sweep_flow import run_sweep  # imports Prefect: the sweep is good
 
         stop_cleanly_on_signals()
-        named = not (args.grid or args.seeds)
-        state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw), return_state=True)
-        print(f"store: {store_root()}\ncompare: python -m flows.inspect compare "
-              + (f"--sweep {sw.name}" if named else shlex.join(adhoc_args(args, sw.config.pipeline))))
+        named = not (args.grid or args.seeds) and args.target in sweep_names(args.config)
+        if not named:
+            save_definition(sw, open_store())  # `compare --sweep NAME` finds it there
+        print(f"sweep {sw.name}; compare it with: {compare_hint(sw)}", flush=True)
+        state = run_sweep(sw.name, args.parallel, str(sw.config_file), None if named else spec(sw),
+                          return_state=True)
+        print(f"store: {store_root()}\ncompare: {compare_hint(sw)}")
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
             return 1

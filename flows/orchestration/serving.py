@@ -3,9 +3,12 @@
 `sweep` flow, one deployment per sweep of the file, `sweep/<name>`.
 
     prefect server start --host 127.0.0.1                   # 1. the API and UI: http://127.0.0.1:4200
-    finetune serve                                          # 2. this: registers and serves the deployments
+    finetune serve [--config FILE]                          # 2. this: registers and serves the deployments
     prefect deployment run finetune/bloom-imdb --watch      # 3. a run; parameters with -p:
         -p 'overrides={"train.lr": 1e-4}'  -p only=train  -p 'force=["train"]'  -p until=tokenize  -p verify=true
+
+With --config FILE (a user's pipeline file, see stages/engine/config.py) the default is the file's own pipelines
+and sweeps, and every deployment's parameters carry the file (`config`, its absolute path), so its runs read it.
 
 PREFECT_API_URL, when not set, defaults to http://127.0.0.1:4200/api. Ctrl-C or SIGTERM stops serving
 (a run in progress is cancelled; committed stages stay in the store and the next run reuses them).
@@ -18,12 +21,21 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 from flows.orchestration.serve_stop import serve_until_stopped
 from flows.orchestration.stage_logs import route_logs
 from flows.reports.variants import named_sweep
-from stages.engine.cli import guarded
-from stages.engine.config import load_pipeline, pipeline_names, store_root, sweep_names
+from stages.engine.cli import add_config_option, guarded
+from stages.engine.config import (
+    DEFAULT_PIPELINE_FILE,
+    is_project_file,
+    load_pipeline,
+    own_names,
+    pipeline_names,
+    store_root,
+    sweep_names,
+)
 from stages.engine.errors import ConfigError, FinetuneError
 
 DEFAULT_API_URL = "http://127.0.0.1:4200/api"
@@ -50,28 +62,33 @@ def wait_for_server(api_url: str, wait_s: float) -> None:
         time.sleep(1)
 
 
-def deployments(names: list[str]):
+def deployments(names: list[str], config: Path = DEFAULT_PIPELINE_FILE):
     """One RunnerDeployment per pipeline; entrypoint flows.orchestration.finetune_flow.finetune (module path,
     so the run subprocess imports the project package, not a copy of the file)."""
     from prefect.deployments.runner import EntrypointType
 
     from flows.orchestration.finetune_flow import finetune
 
-    sweeps = set(sweep_names())
-    out = sweep_deployments([n for n in names if n in sweeps])
+    sweeps = set(sweep_names(config))
+    out = sweep_deployments([n for n in names if n in sweeps], config)
     for name in [n for n in names if n not in sweeps]:
-        cfg = load_pipeline(name)  # a broken pipeline fails here, before serving anything
+        cfg = load_pipeline(name, None, config)  # a broken pipeline fails here, before serving anything
         out.append(finetune.to_deployment(
             name=name,
-            parameters={"pipeline": name},
-            description=cfg.description or f"the {name} pipeline of pipeline.yaml",
+            parameters={"pipeline": name, **config_parameter(config)},
+            description=cfg.description or f"the {name} pipeline of {config.name}",
             tags=["finetune", name],
             entrypoint_type=EntrypointType.MODULE_PATH,
         ))
     return out
 
 
-def sweep_deployments(names: list[str]):
+def config_parameter(config: Path) -> dict[str, str]:
+    """{"config": FILE (absolute)} for a user's pipeline file; {} for the project's (a run reads its own)."""
+    return {} if is_project_file(config) else {"config": str(Path(config).resolve())}
+
+
+def sweep_deployments(names: list[str], config: Path = DEFAULT_PIPELINE_FILE):
     """One RunnerDeployment per sweep of pipeline.yaml, `sweep/<name>` (flows/orchestration/sweep_flow.py); its child runs
     execute beside it, or with `-p on_workers=true` as runs of the `finetune/<pipeline>` deployment, which a
     work pool's workers pick up."""
@@ -81,11 +98,11 @@ def sweep_deployments(names: list[str]):
 
     out = []
     for name in names:
-        sw = named_sweep(name)  # a broken sweep (or one of its variants) fails here, before serving anything
+        sw = named_sweep(name, config)  # a broken sweep (or one of its variants) fails here, before serving anything
         out.append(run_sweep.to_deployment(
             name=name,
-            parameters={"name": name},
-            description=sw.config.description or f"the {name} sweep of pipeline.yaml",
+            parameters={"name": name, **config_parameter(config)},
+            description=sw.config.description or f"the {name} sweep of {config.name}",
             tags=["sweep", name],
             entrypoint_type=EntrypointType.MODULE_PATH,
         ))
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.serve") -> 
     p.add_argument("pipelines", nargs="*", help="pipelines (and sweeps) to serve (default: every pipeline and "
                    "sweep in the file)")
     p.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: one GPU)")
+    add_config_option(p)
     p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
                    help="how long to wait for the Prefect server to answer (default 10)")
     args = p.parse_args(argv)
@@ -107,11 +125,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.serve") -> 
     signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> int:
-        available = pipeline_names() + sweep_names()  # the flows read pipeline.yaml themselves
+        available = pipeline_names(args.config) + sweep_names(args.config)
         unknown = [n for n in args.pipelines if n not in available]
         if unknown:
             raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")
-        names = args.pipelines or available
+        names = args.pipelines or (available if is_project_file(args.config) else own_names(args.config))
         try:
             return serve_deployments(names, args)
         except KeyboardInterrupt:
@@ -137,7 +155,7 @@ def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
     with ctx:
         wait_for_server(api_url, args.wait)
         route_logs()
-        deps = deployments(names)
+        deps = deployments(names, args.config)
         print(f"serving {len(deps)} deployments on {api_url} (UI: {api_url.removesuffix('/api')}); "
               f"store {store_root()}; Ctrl-C to stop", flush=True)
         serve_until_stopped(deps, args.limit, api_url)  # returns on Ctrl-C / SIGTERM

@@ -42,7 +42,7 @@ class RunResult:
     footprint_bytes: int | None = None
     trainable: int | None = None
     trainable_percent: float | None = None
-    shared: list[str] = field(default_factory=list)  # stages whose key other runs of the sweep have too
+    shared: list[str] = field(default_factory=list)  # stages whose key another variant of the sweep has too
     keys: dict[str, str] = field(default_factory=dict)  # stage -> key (the artifact shown)
     missing: list[str] = field(default_factory=list)  # stages with no artifact for this config
 
@@ -194,7 +194,9 @@ def param_value(cfg: PipelineConfig, dotted: str) -> Any:
 def compare(sw: Sweep, store: Store | RemoteStore) -> Comparison:
     finder = Finder(store)
     plans = {r.label: {p.key.stage: p.key for p in plan(r.cfg)} for r in sw.runs}
-    shared = Counter((sk.stage, sk.key) for planned in plans.values() for sk in planned.values())
+    # a stage is shared when another *variant* has its key (a variant's seeds share more among themselves)
+    shared = Counter(k for name in sw.variants() for k in {(sk.stage, sk.key) for r in sw.runs if r.variant == name
+                                                            for sk in plans[r.label].values()})
     keys = list(dict.fromkeys(k for r in sw.runs for k in r.params))
     variants: list[VariantResult] = []
     for name in sw.variants():

@@ -24,15 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from flows.reports import comparison, config_diff, runs
 from flows.reports.formatting import local_time, number, render_table
 from flows.reports.variants import add_sweep_args, from_args
 from stages.common.fit import estimate_pipeline, format_estimate
 from stages.common.memory import free_memory
-from stages.engine.cli import guarded
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.cli import add_config_option, guarded
+from stages.engine.commands import command
+from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
@@ -42,7 +42,8 @@ from stages.engine.units import human_bytes
 from stages.graph import gc, pipeline_status
 
 
-def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> str:
+def render_status(pipeline: str, store: Store, statuses: list[StageStatus], run: str | None = None) -> str:
+    """The status table; `run`: the command that runs what is not cached (printed when something is not)."""
     rows = [["stage", "status", "key", "size", "created", "metrics"]]
     notes: dict[int, list[str]] = {}
     for s in statuses:
@@ -59,7 +60,14 @@ def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> s
     stale = sum(s.status != CACHED for s in statuses)
     out.append(f"{len(statuses) - stale} of {len(statuses)} stages cached" +
                (f"; {stale} would run" if stale else "; nothing to run"))
+    if stale and run:
+        out.append(f"run: {run}")
     return "\n".join(out)
+
+
+def run_command(args: argparse.Namespace) -> str:
+    """The command that runs the pipeline these inspect arguments name, as the user gave them."""
+    return command("flows.finetune", args.pipeline, config=args.config, overrides=args.overrides)
 
 
 def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentParser:
@@ -73,7 +81,7 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
             sp.add_argument("stage", help="a stage name (data, tokenize, model, adapters, train, ...)")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="the config override the run used, e.g. --set train.lr=1e-4 (repeatable)")
-        sp.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+        add_config_option(sp)
 
     st = sub.add_parser("status", help="each stage: key, cached/stale/missing and why, size, created, metrics")
     pipeline_args(st, stage=False)
@@ -86,7 +94,7 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
     g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
     g.add_argument("--keep-refs", action="store_true", help="also keep what each pipeline last ran "
                    "(refs/, e.g. runs with overrides)")
-    g.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    add_config_option(g)
     g.add_argument("--json", action="store_true", help="machine-readable output")
     me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
                         "(no weights are loaded)")
@@ -106,7 +114,7 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
                     help="an override of B, e.g. --set train.lr=1e-4 (repeatable)")
     di.add_argument("--set-a", dest="overrides_a", action="append", default=[], metavar="KEY=VALUE",
                     help="an override of A (repeatable)")
-    di.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    add_config_option(di)
     di.add_argument("--json", action="store_true", help="machine-readable output")
     ru = sub.add_parser("runs", help="every run the store saw: when, pipeline, --set, stages, metrics, train time")
     ru.add_argument("pipeline", nargs="?", help="only this pipeline's runs")
@@ -140,12 +148,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
                 print(json.dumps({"pipeline": cfg.name, "store": str(store),
                                   "stages": [s.to_json() for s in statuses]}, indent=2))
             else:
-                print(render_status(cfg.name, store, statuses))
+                print(render_status(cfg.name, store, statuses, run_command(args)))
             return 0 if all(s.status == CACHED for s in statuses) else 1
         s = find(statuses, args.stage)
         if s.status == MISSING:
-            print(f"{s.stage}: {'; '.join(s.reasons)} (key {s.key[:12]}); run the pipeline first",
-                  file=sys.stderr)
+            print(f"{s.stage}: {'; '.join(s.reasons)} (key {s.key[:12]}); run the pipeline first: "
+                  f"{run_command(args)}", file=sys.stderr)
             return 1
         if s.status != CACHED:
             print(f"note: {s.stage} is stale ({'; '.join(s.reasons)}); showing the artifact it would replace",
@@ -213,6 +221,6 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
     else:
         print(f"{len(garbage)} unreachable, {human_bytes(total)}; dry run: nothing removed "
-              f"(python -m flows.inspect gc --force to remove)")
+              f"({command('flows.inspect', 'gc', '--force', config=args.config)} to remove)")
     return 0
 

@@ -10,14 +10,9 @@ from pathlib import Path
 from flows.reports.comparison import Comparison, is_share, pm, render, runs_csv
 from flows.reports.formatting import inline_png
 from flows.reports.train_history import read_history, train_losses
+from flows.reports.variants import sweep_dir
 from stages.engine.remote_store import RemoteStore
 from stages.engine.store import Store
-
-
-def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
-    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    local = store.local if isinstance(store, RemoteStore) else store
-    return local.root / "sweeps" / name
 
 
 def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:

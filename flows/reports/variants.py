@@ -5,12 +5,16 @@ is validated here, before anything runs (no Prefect, no tensors).
     named_sweep(NAME)                                      the named sweep
     adhoc_sweep(PIPELINE, ["train.lr=1e-4,5e-4"], ...)     the ad-hoc one `--grid train.lr=1e-4,5e-4` describes
     from_args(args, TARGET)                                either, from the options add_sweep_args defines
+
+An ad-hoc sweep's definition is kept in its folder of the store (`sweeps/<name>/sweep.json`, with the pipeline
+file it read) when it runs, so `--sweep NAME` / `finetune sweep NAME` find it later as they find a named one.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,20 +22,25 @@ from typing import Any
 import yaml
 
 from flows.reports.formatting import label
+from stages.engine.cli import add_config_option
+from stages.engine.commands import command
 from stages.engine.config import (
     DEFAULT_PIPELINE_FILE,
+    load_doc,
     load_pipeline,
     load_sweep,
     parse_override,
     pipeline_names,
-    read_yaml,
     sweep_names,
     validate_sweep,
     yaml_number,
 )
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
+from stages.engine.remote_store import RemoteStore, open_store
 from stages.engine.schema import PipelineConfig, SweepConfig
+from stages.engine.store import Store, write_json_atomic
+from stages.graph import precheck
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
         for variant, p in zip(labels, params, strict=True):
             over = {**cfg.set, **p, **({"train.seed": seed} if seed is not None else {})}
             try:
-                run_cfg = load_pipeline(cfg.pipeline, over, config_file)
+                run_cfg = precheck(load_pipeline(cfg.pipeline, over, config_file))  # labels, metrics, hub too
             except FinetuneError as e:
                 raise ConfigError(f"sweeps.{cfg.name}, variant {variant}: {e}") from None
             runs.append(Run(variant, p, seed, over, run_cfg))
@@ -142,11 +151,40 @@ def adhoc_sweep(pipeline: str, grid: list[str], sets: list[str] | None = None, s
 def from_spec(name: str, body: dict[str, Any], config_file: Path | str = DEFAULT_PIPELINE_FILE,
               where: str = "spec") -> Sweep:
     """A sweep defined outside pipeline.yaml (the fields of a `sweeps:` entry as a mapping)."""
-    doc = read_yaml(Path(config_file))
+    doc = load_doc(Path(config_file))
     if body.get("pipeline") not in doc["pipelines"]:
         raise ConfigError(f"unknown pipeline '{body.get('pipeline')}'; available: {', '.join(doc['pipelines'])} "
                           f"(or a sweep: {', '.join(doc.get('sweeps') or {}) or 'none defined'})")
     return expand(validate_sweep(name, body, where, doc), config_file)
+
+
+def sweep_dir(store: Store | RemoteStore, name: str) -> Path:
+    """sweeps/<name>/ of the store (of its local cache for a remote store)."""
+    local = store.local if isinstance(store, RemoteStore) else store
+    return local.root / "sweeps" / name
+
+
+def save_definition(s: Sweep, store: Store | RemoteStore) -> Path:
+    """Keep an ad-hoc sweep's definition (and the pipeline file it read) in its folder of the store."""
+    path = sweep_dir(store, s.name) / "sweep.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, {"name": s.name, "config": str(s.config_file.resolve()), "spec": spec(s)})
+    return path
+
+
+def stored(name: str, store: Store | RemoteStore) -> Sweep | None:
+    """The ad-hoc sweep `name` as the store keeps it (None when it never ran)."""
+    path = sweep_dir(store, name) / "sweep.json"
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    return from_spec(name, saved["spec"], saved["config"], f"{path}")
+
+
+def compare_hint(sw: Sweep) -> str:
+    """The command that compares this sweep's variants: by its name (an ad-hoc one's definition is in the
+    store), with the pipeline file it read."""
+    return command("flows.inspect", "compare", "--sweep", sw.name, config=sw.config_file)
 
 
 def spec(s: Sweep) -> dict[str, Any]:
@@ -165,8 +203,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    "(train.seed)")
     p.add_argument("--metric", help="SPLIT.METRIC that ranks variants (default test.accuracy)")
     p.add_argument("--mode", choices=["max", "min"], help="max (default) or min")
-    p.add_argument("--name", help="an ad-hoc sweep's name (its folder and UI key); default PIPELINE-<hash>")
-    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    p.add_argument("--name", help="an ad-hoc sweep's name (its folder and UI key, `compare --sweep NAME` finds it "
+                   "by); default PIPELINE-<hash of its definition>")
+    add_config_option(p)
 
 
 def _seeds(text: str) -> list[int]:
@@ -186,15 +225,10 @@ def from_args(args: argparse.Namespace, target: str) -> Sweep:
     if extra:
         raise ConfigError(f"{', '.join(extra)}: only for an ad-hoc sweep (PIPELINE --grid ...); a named sweep "
                           f"takes its settings from pipeline.yaml")
-    if target in pipeline_names(args.config) and target not in sweep_names(args.config):
+    names = sweep_names(args.config)
+    if target in pipeline_names(args.config) and target not in names:
         raise ConfigError(f"{target} is a pipeline, not a sweep: give --grid KEY=V1,V2 to sweep it, or a sweep "
-                          f"name ({', '.join(sweep_names(args.config)) or 'none defined under sweeps:'})")
+                          f"name ({', '.join(names) or 'none defined under sweeps:'})")
+    if target not in names and (ran := stored(target, open_store())) is not None:
+        return ran  # an ad-hoc sweep that ran before, by its name
     return named_sweep(target, args.config)
-
-
-def adhoc_args(args: argparse.Namespace, pipeline: str) -> list[str]:
-    """The command-line options of an ad-hoc sweep, to repeat them (`finetune inspect compare PIPELINE ...`)."""
-    return [pipeline, *(a for g in args.grid for a in ("--grid", g)),
-            *(a for o in args.overrides for a in ("--set", o)),
-            *(["--seeds", ",".join(map(str, args.seeds))] if args.seeds else []),
-            *(["--metric", args.metric] if args.metric else []), *(["--mode", args.mode] if args.mode else [])]

@@ -36,7 +36,7 @@ from stages.common.checkpoint import (
     load_trainable_state,
     trainable_state,
 )
-from stages.engine.errors import ConfigError, DivergenceError, MissingInputError
+from stages.engine.errors import DivergenceError, MissingInputError
 
 SMOOTH_ROWS = 256  # rows the loss is averaged over before it is compared
 HISTORY = 100  # averaged values (steps) the level is the median of
@@ -51,9 +51,6 @@ def check_settings(tcfg: Any, task: str, has_validation: bool) -> None:
     if asked and not has_validation:
         raise MissingInputError(f"train.{asked[0]}: there is no validation split to evaluate (or it is empty); "
                                 f"set data.split.validation, or set train.{asked[0]} to null")
-    if tcfg.select_best is not None and tcfg.select_best.metric == "val_accuracy" and task != "seq_cls":
-        raise ConfigError(f"train.select_best.metric: val_accuracy is measured for classifiers (model.task seq_cls) "
-                          f"only; use val_loss for {task}")
 
 
 class Watchdog:

@@ -107,7 +107,7 @@ def revision_sha(repo_id: str, revision: str | None, repo_type: str = "model") -
     revision = revision or "main"
     if SHA.match(revision):
         return revision
-    if not hub_offline() and _hub_answers():
+    if not hub_offline() and hub_answers():
         with contextlib.suppress(Exception):
             from huggingface_hub import HfApi
 
@@ -120,7 +120,7 @@ def revision_sha(repo_id: str, revision: str | None, repo_type: str = "model") -
 _PROBE: dict[str, tuple[float, bool]] = {}
 
 
-def _hub_answers() -> bool:
+def hub_answers() -> bool:
     """Whether the hub answered a connection within a second (remembered for a minute: a plan asks once)."""
     now = time.monotonic()
     if "hub" not in _PROBE or now - _PROBE["hub"][0] > 60:

@@ -13,11 +13,12 @@ The confusion matrix [true][predicted] stays here: it is a table, not an `evalua
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stages.common.hub import ensure_hub_reachable
+from stages.common.hub import ensure_hub_reachable, hub_answers
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.parallel import n_jobs
 
@@ -25,6 +26,9 @@ MODULES_DIR = Path(__file__).resolve().parent / "metric_modules"
 SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts"}  # what each scores: class ids or texts
 DEFAULTS = {"seq_cls": ("accuracy", "f1"), "seq2seq": ("rouge",), "causal_lm": ("rouge",)}
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+# the module that computes each validation metric during training (schema.VALIDATION_METRICS; loss and
+# accuracy are counted by the validation pass itself)
+VALIDATION_MODULES = {"macro_f1": "f1", **{r: "rouge" for r in ROUGE_TYPES}}
 PARALLEL_MIN_PAIRS = 500  # fewer ROUGE pairs are scored in this process (starting workers costs ~1 s)
 
 
@@ -56,8 +60,26 @@ def module_path(name: str) -> Path | None:
 
 
 def module_files(names: Sequence[str]) -> list[Path]:
-    """The shipped and local modules' files and folders (their content goes into the stage's key)."""
-    return [p for p in (module_path(n) for n in names) if p is not None]
+    """The shipped and local modules' files and folders (their content goes into the stage's key). A hub
+    module's name is refused here, at plan, when the hub does not answer (a misspelt offline name)."""
+    paths = [module_path(n) for n in names]
+    hub = [n for n, p in zip(names, paths, strict=True) if p is None]
+    if hub and not hub_answers():
+        name = hub[0]
+        close = difflib.get_close_matches(name, list(SHIPPED), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"evaluate.metrics {name}: not one of the project's offline modules ({', '.join(SHIPPED)}) "
+                          f"nor a local path, and the hub that would serve it does not answer; {hint}list offline "
+                          f"modules or the path of a local `evaluate` module")
+    return [p for p in paths if p is not None]
+
+
+def validation_metric_files(cfg: Any) -> list[Path]:
+    """The train stage's input files: the module select_best's metric is computed with during training
+    (val_macro_f1, val_rouge*), its content in the key as in the evaluate stage's."""
+    sb = cfg.train.select_best
+    module = VALIDATION_MODULES.get(sb.metric.removeprefix("val_")) if sb is not None else None
+    return module_files([module]) if module else []
 
 
 def load(name: str) -> Any:

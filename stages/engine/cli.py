@@ -31,8 +31,15 @@ def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentP
     p.add_argument("--until", metavar="STAGE", help="stop after this stage")
     p.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage")
     p.add_argument("--verify", action="store_true", help="check full sha256 of cached artifacts, not just sizes")
-    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    add_config_option(p)
     return p
+
+
+def add_config_option(p: argparse.ArgumentParser) -> None:
+    """`--config FILE`, the same on every entry point: the pipeline file (default the project's
+    pipeline.yaml; any other file builds on it, see stages/engine/config.py)."""
+    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, metavar="FILE",
+                   help="pipeline file (default: the project's pipeline.yaml, which another file extends)")
 
 
 def load_args(args: argparse.Namespace, graph: Iterable[Stage]) -> PipelineConfig:

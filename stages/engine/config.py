@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,19 +133,117 @@ def read_yaml(path: Path) -> dict:
     return doc
 
 
-def pipeline_names(path: Path = DEFAULT_PIPELINE_FILE) -> list[str]:
-    return list(read_yaml(path)["pipelines"])
+# ---------------------------------------------------------------- a user's file over the project's
+
+# Fields holding paths: a relative one means the folder of the file it is written in (`--set` values: the
+# current directory). "always": the field is a path; "local": a hub id or a path, a path when it starts with
+# ./ ../ ~ or names something that exists there.
+PATH_FIELDS = {("data", "path"): "always", ("data", "mirror"): "always", ("train", "accelerate_config"): "always",
+               ("tokenize", "tokenizer"): "local", ("model", "name"): "local", ("evaluate", "metrics"): "local"}
+
+
+def _anchored(value: Any, folder: Path, kind: str) -> Any:
+    if isinstance(value, list):
+        return [_anchored(v, folder, kind) for v in value]
+    if not isinstance(value, str) or not value or value.startswith("pkg:") or "://" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if kind == "always" or value.startswith(("./", "../")) or (folder / path).exists():
+        return str((folder / path).resolve())
+    return value
+
+
+def anchor_paths(body: dict, folder: Path) -> dict:
+    """A pipeline body (or defaults) with its relative paths made absolute against `folder`."""
+    out = copy.deepcopy(body)
+    for (section, key), kind in PATH_FIELDS.items():
+        node = out.get(section)
+        if isinstance(node, dict) and key in node:
+            node[key] = _anchored(node[key], folder, kind)
+    return out
+
+
+def _anchor_dotted(overrides: dict, folder: Path) -> dict:
+    """A sweep's {dotted.key: value} overrides with relative paths made absolute against `folder`."""
+    kinds = {f"{s}.{k}": kind for (s, k), kind in PATH_FIELDS.items()}
+    return {k: (_anchored(v, folder, kinds[k]) if k in kinds else v) for k, v in overrides.items()}
+
+
+def _anchor_sweep(body: Any, folder: Path) -> Any:
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    if isinstance(out.get("set"), dict):
+        out["set"] = _anchor_dotted(out["set"], folder)
+    if isinstance(out.get("grid"), dict):
+        kinds = {f"{s}.{k}": kind for (s, k), kind in PATH_FIELDS.items()}
+        out["grid"] = {k: ([_anchored(x, folder, kinds[k]) for x in v] if k in kinds and isinstance(v, list) else v)
+                       for k, v in out["grid"].items()}
+    if isinstance(out.get("variants"), list):
+        out["variants"] = [_anchor_dotted(v, folder) if isinstance(v, dict) else v for v in out["variants"]]
+    return out
+
+
+def _anchored_doc(path: Path) -> dict:
+    doc = read_yaml(path)
+    folder = path.resolve().parent
+    return {"defaults": anchor_paths(doc.get("defaults") or {}, folder),
+            "pipelines": {n: anchor_paths(b, folder) if isinstance(b, dict) else b
+                          for n, b in doc["pipelines"].items()},
+            "sweeps": {n: _anchor_sweep(b, folder) for n, b in (doc.get("sweeps") or {}).items()}}
+
+
+def is_project_file(path: Path | str) -> bool:
+    return Path(path).resolve() == DEFAULT_PIPELINE_FILE.resolve()
+
+
+def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
+    """The pipelines, defaults and sweeps a config file gives, with relative paths anchored at its folder.
+    A user's file (any file but the project's pipeline.yaml) builds on the project's: the project's
+    defaults apply beneath the file's own, its pipelines and sweeps are there unless the file defines one
+    of the same name, and a pipeline may `extends` a project pipeline (itself included: `demo:` with
+    `extends: demo` is the project's demo with the file's changes). `pipelines` is the combined view;
+    `layers` keeps the file's (`own`) and the project's (`project`) apart for `extends`."""
+    path = Path(path)
+    own = _anchored_doc(path)
+    if is_project_file(path) or not DEFAULT_PIPELINE_FILE.is_file():
+        project = {"defaults": {}, "pipelines": {}, "sweeps": {}}
+    else:
+        project = _anchored_doc(DEFAULT_PIPELINE_FILE)
+    return {"defaults": _deep_merge(project["defaults"], own["defaults"]),
+            "defaults_layers": [("defaults", own["defaults"]),
+                                (f"{DEFAULT_PIPELINE_FILE.name} defaults", project["defaults"])],
+            "pipelines": {**own["pipelines"], **_missing(project["pipelines"], own["pipelines"])},
+            "sweeps": {**own["sweeps"], **_missing(project["sweeps"], own["sweeps"])},
+            "layers": {"own": own["pipelines"], "project": project["pipelines"]},
+            "file": path}
+
+
+def own_names(path: Path | str) -> list[str]:
+    """The pipelines and sweeps a file defines itself (not those it builds on)."""
+    doc = read_yaml(Path(path))
+    return [*doc["pipelines"], *(doc.get("sweeps") or {})]
+
+
+def _missing(base: dict, own: dict) -> dict:
+    return {k: v for k, v in base.items() if k not in own}
+
+
+def pipeline_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
+    return list(load_doc(path)["pipelines"])
 
 
 def sweep_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
-    return list(read_yaml(Path(path)).get("sweeps") or {})
+    return list(load_doc(path)["sweeps"])
 
 
 def load_sweep(name: str, path: Path | str = DEFAULT_PIPELINE_FILE) -> SweepConfig:
     """A named sweep of the file's `sweeps:`, validated (its variants' configs are checked by whoever expands it)."""
     path = Path(path)
-    doc = read_yaml(path)
-    sweeps = doc.get("sweeps") or {}
+    doc = load_doc(path)
+    sweeps = doc["sweeps"]
     if name not in sweeps:
         raise ConfigError(f"unknown sweep '{name}'; available: {', '.join(sweeps) or 'none'} "
                           f"(defined under sweeps: in {path.name})")
@@ -179,28 +278,37 @@ def validate_sweep(name: str, body: dict, where: str, doc: dict | None = None) -
 
 
 def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:
-    """The pipeline and the pipelines it extends, nearest first."""
-    pipes = doc["pipelines"]
-    chain, seen = [], set()
+    """The pipeline and the pipelines it extends, nearest first, each as (where it is written, body). A
+    pipeline of the user's file extends the file's pipeline of that name, else (or when it names itself)
+    the project's."""
+    layers = doc.get("layers") or {"own": doc["pipelines"], "project": {}}
+    own, project = layers["own"], layers["project"]
+    prefix = {"own": "pipelines", "project": f"{DEFAULT_PIPELINE_FILE.name} pipelines"}
+    layer = "own" if name in own else "project"
+    chain: list[tuple[str, dict]] = []
+    seen: set[tuple[str, str]] = set()
     while name is not None:
-        if name in seen:
-            raise ConfigError(f"pipelines.{name}.extends: cycle through {sorted(seen)}; break the loop")
-        seen.add(name)
-        body = pipes.get(name)
+        if (layer, name) in seen:
+            raise ConfigError(f"pipelines.{name}.extends: cycle through {sorted(n for _, n in seen)}; break the loop")
+        seen.add((layer, name))
+        body = (own if layer == "own" else project).get(name)
         if body is None:
-            raise ConfigError(f"pipelines.{chain[-1][0]}.extends: unknown pipeline '{name}'; available: "
-                              f"{', '.join(pipes)}")
+            raise ConfigError(f"{chain[-1][0]}.extends: unknown pipeline '{name}'; available: "
+                              f"{', '.join(doc['pipelines'])}")
         if not isinstance(body, dict):
             raise ConfigError(f"pipelines.{name}: must be a mapping of sections, got {type(body).__name__}")
-        chain.append((name, body))
-        name = body.get("extends")
+        chain.append((f"{prefix[layer]}.{name}", body))
+        parent = body.get("extends")
+        if parent is not None and layer == "own" and (parent == name or parent not in own):
+            layer = "project"
+        name = parent
     return chain
 
 
 def load_pipeline(name: str, overrides: list[str] | dict | None = None,
                   path: Path | str = DEFAULT_PIPELINE_FILE) -> PipelineConfig:
     path = Path(path)
-    doc = read_yaml(path)
+    doc = load_doc(path)
     if name not in doc["pipelines"]:
         raise ConfigError(f"unknown pipeline '{name}'; available: {', '.join(doc['pipelines'])} "
                           f"(defined under pipelines: in {path.name})")
@@ -208,17 +316,19 @@ def load_pipeline(name: str, overrides: list[str] | dict | None = None,
     merged = copy.deepcopy(doc.get("defaults") or {})
     for _, body in reversed(chain):
         merged = _deep_merge(merged, body)
-    if "overrides" in merged:
-        raise ConfigError(f"pipelines.{name}: 'overrides' is set by the loader from --set; remove it from {path.name}")
+    for field in ("overrides", "config_file"):
+        if field in merged:
+            raise ConfigError(f"pipelines.{name}: '{field}' is set by the loader; remove it from {path.name}")
     over = overrides_to_dict(overrides)
     merged = _deep_merge(merged, over)
     merged["name"] = name
     merged["overrides"] = override_strings(overrides)
+    merged["config_file"] = None if is_project_file(path) else str(path.resolve())
     merged.pop("extends", None)
     try:
         return PipelineConfig.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(_describe(e, name, chain, doc.get("defaults") or {}, over)) from None
+        raise ConfigError(_describe(e, name, chain, doc["defaults_layers"], over)) from None
 
 
 def _has(d: Any, loc: tuple) -> bool:
@@ -229,20 +339,21 @@ def _has(d: Any, loc: tuple) -> bool:
     return True
 
 
-def _origin(loc: tuple, name: str, chain: list, defaults: dict, over: dict) -> str:
+def _origin(loc: tuple, name: str, chain: list, defaults: list, over: dict) -> str:
     dotted = ".".join(str(p) for p in loc)
     for prefix in (loc[:i] for i in range(len(loc), 0, -1)):
         if _has(over, prefix):
             return f"--set {dotted}"
-        for pname, body in chain:
+        for where, body in chain:
             if _has(body, prefix):
-                return f"pipelines.{pname}.{dotted}"
-        if _has(defaults, prefix):
-            return f"defaults.{dotted}"
+                return f"{where}.{dotted}"
+        for where, body in defaults:
+            if _has(body, prefix):
+                return f"{where}.{dotted}"
     return f"pipelines.{name}.{dotted}"
 
 
-def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over: dict) -> str:
+def _describe(err: ValidationError, name: str, chain: list, defaults: list, over: dict) -> str:
     problems = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
@@ -261,6 +372,8 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over
             msg = f"must be {op} {bound}, got {got!r}"
         elif kind == "literal_error":
             msg = f"must be one of {ctx.get('expected')}, got {got!r}"
+            if isinstance(got, bool):
+                msg += " (YAML reads yes/no/on/off/true/false as a boolean; quote the word)"
         elif kind.endswith("_parsing") or kind.endswith("_type"):
             want = kind.split("_")[0]
             want = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
@@ -268,6 +381,9 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: dict, over
             msg = f"must be {want}, got {got!r}"
         elif kind == "value_error":
             msg = str(ctx.get("error", e["msg"]))
+            field, sep, rest = msg.partition(": ")
+            if not loc and sep and re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", field):  # a check across sections
+                where, msg = _origin(tuple(field.split(".")), name, chain, defaults, over), rest
         else:
             msg = e["msg"]
         problems.append(f"{where}: {msg}")

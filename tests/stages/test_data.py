@@ -145,8 +145,9 @@ def test_local_files(tmp_path, store_dir, kind):
     rows = o.manifest["metrics"]["rows"]
     assert rows == ({"train": 16, "validation": 4, "test": 10} if kind == "folder"
                     else {"train": 20, "validation": 4, "test": 6})
-    assert any(k.endswith(path.name) or k.startswith(path.name) for k in
-               o.manifest["key_inputs"]["inputs"])  # the file's content is in the key
+    inputs = o.manifest["key_inputs"]["inputs"]
+    assert inputs and all(k.startswith("data.path") for k in inputs)  # the file's content is in the key
+    assert any(k.endswith(path.name) for k in inputs) if kind != "folder" else "data.path/train.csv" in inputs
     # editing the file changes the key
     if kind == "csv":
         path.write_text(path.read_text().replace("review number 3", "review number three"))
@@ -286,7 +287,8 @@ def test_label_outside_the_named_classes_or_ids_is_a_clear_error(tmp_path, store
     df = pd.read_csv(path)
     df.loc[5, "sentiment"] = 2  # an id beyond num_labels 2: today's clear error
     df.to_csv(path, index=False)
-    with pytest.raises(DataError, match=r"1 label\(s\) outside 0..1 \(first: 2\); fix the data or set model.num_labels"):
+    with pytest.raises(DataError, match=rf"^{path}: line 7, column 'sentiment': label '2' is outside 0..1 \(model"
+                       r".num_labels 2\); fix the data or set model.num_labels$"):
         run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")
     # inferred from the ids instead: 3 classes
     o = run("tiny-imdb", *LOCAL, f"data.path={path}", "model.num_labels=null", until="data")["data"]
@@ -294,12 +296,55 @@ def test_label_outside_the_named_classes_or_ids_is_a_clear_error(tmp_path, store
 
     df["sentiment"] = ["pos", "neg", "meh"] * 10
     df.to_csv(path, index=False)
-    with pytest.raises(DataError, match=r"label\(s\) not in data.label_names \['neg', 'pos'\] \(first: 'meh'\)"):
+    with pytest.raises(DataError, match=rf"^{path}: line 4, column 'sentiment': label 'meh' is not in data.label_names "
+                       r"\['neg', 'pos'\]; add it there"):
         run("tiny-imdb", *LOCAL, f"data.path={path}", "data.label_names=[neg, pos]", until="data")
     with pytest.raises(ConfigError, match=r"model.num_labels is 3 but data.label_names lists 2 names \(neg, pos\)"):
         run("tiny-imdb", *LOCAL, f"data.path={path}", "data.label_names=[neg, pos]", "model.num_labels=3",
             until="data")
     assert [d.name for d in (store_dir / "data").iterdir()] == [o.key]  # the failures wrote nothing
+
+
+@pytest.mark.parametrize("kind,cell,what", [("csv", "", "empty"), ("csv", "NaN", "missing ('NaN')"),
+                                            ("jsonl", None, "missing (null)"), ("jsonl", float("nan"), "missing (null)")])
+def test_a_missing_label_is_refused_at_plan_naming_file_line_and_column(tmp_path, kind, cell, what, capsys,
+                                                                        monkeypatch):
+    """An empty / NaN / null label would have trained as a class of its own: refused before anything runs, by
+    the plain CLI (exit 2, one line) and before the store is opened."""
+    from stages.__main__ import main
+
+    path = write_local(tmp_path, kind)
+    df = pd.read_csv(path) if kind == "csv" else pd.read_json(path, lines=True)
+    df["sentiment"] = df["sentiment"].map({0: "neg", 1: "pos"}).astype(object)
+    df.loc[4, "sentiment"] = cell
+    if kind == "csv":
+        df.to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps({"review": r, "sentiment": None if c is None or c != c else c}) + "\n"
+                                for r, c in zip(df["review"], df["sentiment"], strict=True)).replace(
+            "null", "NaN" if cell is not None else "null"))
+    store = tmp_path / "store"
+    monkeypatch.setenv("FINETUNE_STORE", str(store))
+    code = main(["tiny-imdb", *[a for s in LOCAL for a in ("--set", s)], "--set", f"data.path={path}",
+                 "--set", "model.num_labels=null"])
+    err = capsys.readouterr().err.strip().splitlines()
+    line = 6 if kind == "csv" else 5  # row 4: below a CSV's header line
+    assert code == 2 and err == [f"error: {path}: line {line}, column 'sentiment': {what} label; give every row its "
+                                 f"class (or remove the row)"]
+    assert not store.exists()
+
+
+def test_moving_the_data_file_keeps_the_data_key(tmp_path, store_dir):
+    """The data key hashes data.path's content, not its location: the file moved to another folder is a hit."""
+    path = write_local(tmp_path, "csv")
+    first = run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")["data"]
+    moved = tmp_path / "elsewhere" / "deeper" / path.name
+    moved.parent.mkdir(parents=True)
+    path.rename(moved)
+    again = run("tiny-imdb", *LOCAL, f"data.path={moved}", until="data")["data"]
+    assert not again.computed and again.key == first.key
+    moved.write_text(moved.read_text().replace("review number 3", "review number three"))
+    assert run("tiny-imdb", *LOCAL, f"data.path={moved}", until="data")["data"].computed  # the content is in it
 
 
 def test_imdb_and_acl_imdb_name_their_labels_neg_pos(tmp_path, store_dir):
