@@ -4,9 +4,10 @@ each the `main` of a `flows/<module>.py`, the way `dvc` and `prefect` group thei
     finetune run PIPELINE [--set KEY=VALUE] [--only STAGE] [--until STAGE] [--force STAGE] [--verify]
     finetune sweep NAME | PIPELINE --grid KEY=V1,V2 [--seeds 1,2,3] [--parallel N]
     finetune serve [PIPELINE ...]
-    finetune inspect status|show|path|gc|memory|compare|diff ...
+    finetune inspect status|show|path|gc|memory|compare|diff|runs ...
     finetune summary PIPELINE [--if-cached]
     finetune predict ...
+    finetune server [--host 127.0.0.1] [--port 4200]
 
 A subcommand's module is imported only when it runs: `finetune inspect` never imports Prefect.
 """
@@ -23,9 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("flows.finetune", "run a pipeline of pipeline.yaml as a Prefect flow (cached stages are reused)"),
     "sweep": ("flows.sweep", "run a sweep's variants through one store, then compare them"),
     "serve": ("flows.serve", "serve one deployment per pipeline and sweep on a Prefect server"),
-    "inspect": ("flows.inspect", "read the store: status, show, path, gc, memory, compare, diff"),
+    "inspect": ("flows.inspect", "read the store: status, show, path, gc, memory, compare, diff, runs"),
     "summary": ("flows.summary", "summarize a pipeline's artifacts (--if-cached: reuse them without Prefect)"),
     "predict": ("flows.predict", "predictions from a trained pipeline's model"),
+    "server": ("flows.server", "the Prefect server (API and UI) on the project's Prefect home"),
 }
 
 

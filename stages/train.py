@@ -16,6 +16,8 @@ out-of-memory error halves the micro-batch and doubles accumulation (the same ef
 retries the step. Before each optimizer step the gradient norm is measured and the step checked for
 divergence; validation runs at each epoch end and every `train.eval_every` steps, and may keep the best
 weights and stop early (stages/common/health.py). What the run shows and leaves: stages/common/runlog.py.
+Ctrl-C or SIGTERM: a resume checkpoint at the last finished step (the step in progress abandoned at its next
+micro-batch), then the signal takes its course (stages/common/interrupt.py); the next run resumes there.
 
 Cleanup: metrics and plot into the artifact; with train.select_best the best weights are loaded back (the
 last ones beside them, in last/); `run` saves the trained weights (PEFT adapter for LoRA, else the model).
@@ -36,7 +38,6 @@ checkpoint lives on machine 0's disk: its rank 0 sends it to the others over the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -48,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from stages.common import distributed
-from stages.common.batching import Batch, Rows, epoch_batches, shard
+from stages.common.batching import Rows, epoch_batches, shard
 from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -66,7 +67,8 @@ from stages.common.device import (
 )
 from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
-from stages.common.losses import loss_units, summed_loss
+from stages.common.interrupt import DeferredStop, StepAbandoned
+from stages.common.losses import accumulate_window, loss_units
 from stages.common.model_loading import load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
@@ -167,6 +169,8 @@ class TrainRun:
                      self.progress.step, self.progress.epoch + 1, self.progress.batches_done, ckpt.name)
         self.watchdog = Watchdog(tcfg.divergence_factor, tcfg.max_skipped_steps, self.scaler is not None,
                                  self.ckpt_dir, self.effective)
+        self.saved_step = self.resumed_from  # the step of the newest checkpoint on disk
+        self.stop = DeferredStop(enabled=self.world == 1)  # Ctrl-C / SIGTERM: see stop_here
         self.runlog = (RunLog(work_dir / "logs", self.progress.step, log, self.total_steps) if self.is_main
                        else NoRunLog(log))
         self.last_loss: float | None = None
@@ -184,11 +188,18 @@ class TrainRun:
         """The loop over optimizer steps, one effective batch each, epoch by epoch (each its own order)."""
         p, cfg = self.progress, self.tcfg
         try:
+            self.stop.__enter__()
             while p.step < self.total_steps and p.stopped is None:
                 plan = epoch_batches(self.rows.lengths, self.effective, cfg.seed, p.epoch, cfg.group_by_length)
                 while p.batches_done < len(plan) and p.step < self.total_steps:
                     t0 = time.perf_counter()
-                    loss, real, padded = self.forward_backward(plan[p.batches_done])
+                    self.stop.step_starts()
+                    try:
+                        loss, real, padded = self.forward_backward(plan[p.batches_done])
+                    except StepAbandoned:  # the step never happened: no gradients, the RNG as at its start
+                        self.stop.rewind(self.optimizer)
+                        self.stop_here()
+                        continue  # the handler let the run go on: the step again
                     norm = grad_norm(self.model, self.accelerator, cfg.max_grad_norm)  # before clipping
                     self.watchdog.check(p, loss, norm)  # before the step: a diverged step never reaches the weights
                     skipped = self.optimizer_step()
@@ -203,14 +214,29 @@ class TrainRun:
                         self.checkpoint()
                     if self.on_step is not None:
                         self.on_step(p.step, loss)
+                    self.stop_here()
                     if epoch_end or p.stopped:
                         break  # the next epoch has its own order
             # ended mid-epoch, not on an evaluation: the last weights are validated too (decided alike on
             # every rank: validate() broadcasts across processes)
             if p.batches_done and p.stopped is None and not (cfg.eval_every and p.step % cfg.eval_every == 0):
                 self.validate()
+            self.stop_here()  # a signal during that validation
         finally:
+            self.stop.__exit__()
             self.runlog.close()
+
+    def stop_here(self) -> None:
+        """After a stop signal: a checkpoint at the last finished step, then the signal's own handler."""
+        p = self.progress
+        if not self.stop.requested:
+            return
+        if p.step and self.saved_step != p.step:
+            self.checkpoint()
+        self.runlog.emit(logging.WARNING, "train: %s at step %d of %d: %s", self.stop.name, p.step, self.total_steps,
+                         f"checkpoint {self.ckpt_dir / f'step-{p.step:06d}'}; the next run resumes from it" if p.step
+                         else "no step finished yet, nothing to save")
+        self.stop.deliver()
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, idx: list[int]) -> tuple[float, int, int]:
@@ -224,7 +250,7 @@ class TrainRun:
                                         self.accelerator)
                 micro = self.rows.batches(idx, p.micro_batch_size, self.pad_id, self.task)
                 loss = accumulate_window(self.model, [mb.to(self.device) for mb in micro], self.task,
-                                         self.accelerator)
+                                         self.accelerator, between=self.stop.check)
                 return loss, sum(mb.real_tokens for mb in micro), sum(mb.padded_tokens for mb in micro)
             except RuntimeError as err:
                 # across processes one rank cannot retry alone (the others wait in the all-reduce)
@@ -294,7 +320,9 @@ class TrainRun:
         if self.is_main:
             best = self.keeper.path if self.progress.best is not None else None
             save_checkpoint(self.ckpt_dir, self.progress, self.core, self.optimizer, self.scheduler, self.scaler,
-                            self.tcfg.keep_checkpoints, links={"best.safetensors": best} if best else None)
+                            self.tcfg.keep_checkpoints, links={"best.safetensors": best} if best else None,
+                            of=self.total_steps)
+        self.saved_step = self.progress.step
 
     # ------------------------------------------------------------------ cleanup
     def finish(self, out_dir: Path) -> dict[str, Any]:
@@ -338,31 +366,6 @@ class TrainRun:
 
 
 # ====================================================================== the loss of one effective batch
-
-def accumulate_window(model: torch.nn.Module, micro_batches: list[Batch], task: str,
-                      accelerator: Any = None, *, denominator: int | None = None, scale: float = 1.0) -> float:
-    """Forward and backward every micro-batch of one effective batch. The gradients left in .grad are
-    those of the loss averaged over the whole effective batch. Returns that loss.
-    Across processes (see shard_window) `denominator` is the count over the whole *global* effective
-    batch and `scale` multiplies what is backpropagated (not the loss returned)."""
-    if denominator is None:
-        denominator = max(sum(loss_units(mb, task) for mb in micro_batches), 1)
-    total = None  # kept on the device: reading it once per step, not per micro-batch, keeps a GPU busy
-    for k, mb in enumerate(micro_batches):
-        is_accumulating = k < len(micro_batches) - 1
-        # across GPUs, gradients are only synchronised on the last micro-batch
-        sync = accelerator.no_sync(model) if (accelerator is not None and is_accumulating) \
-            else contextlib.nullcontext()
-        with sync:
-            loss = summed_loss(model, mb, task) / denominator
-            scaled = loss * scale if scale != 1.0 else loss
-            if accelerator is not None:
-                accelerator.backward(scaled)
-            else:
-                scaled.backward()
-        total = loss.detach().float() if total is None else total + loss.detach().float()
-    return float(total) if total is not None else 0.0
-
 
 def shard_window(model: torch.nn.Module, rows: Rows, idx: list[int], micro_batch_size: int, pad_id: int,
                  task: str, accelerator: Any) -> tuple[float, int, int]:

@@ -9,8 +9,10 @@ flows/orchestration/ calls the functions below.
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -46,7 +48,8 @@ SERVER_OWN_SESSION = Workaround(
     ("subprocess", "SubprocessASGIServer._run_uvicorn_command"),
     "Ctrl-C reaches the terminal's whole foreground process group: the temporary server died before the run "
     "and the run hung for minutes retrying a dead API. Prefect has no option to start it elsewhere, so the "
-    "module's `subprocess` is replaced by one whose Popen starts a new session.")
+    "module's `subprocess` is replaced by one whose Popen starts a new session, and runs the server (`python "
+    "-m uvicorn`, as _run_uvicorn_command builds it) under server_watch.py, so that it dies with its command.")
 
 RUNNER_STOP = Workaround(
     "serve's runner stopped from our signal handler", ">=3.9,<3.10", "prefect.runner",
@@ -82,16 +85,23 @@ WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBA
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
 
 
+SERVER_WATCH = Path(__file__).with_name("server_watch.py")
+
+
 class _ServerInOwnSession:
     """`subprocess` as Prefect's temporary-server module sees it: the same, except that Popen starts the server
-    in a session of its own."""
+    in a session of its own, watching this process (server_watch.py: it stops when this process is gone,
+    `kill -9` included)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802  (the name it replaces)
-        return subprocess.Popen(*args, **{**kwargs, "start_new_session": True})
+        cmd = list(kwargs.pop("args", None) or args[0])
+        if cmd[1:3] == ["-m", "uvicorn"]:  # the server (Prefect runs `python -m uvicorn ...`)
+            cmd = [cmd[0], str(SERVER_WATCH), str(os.getpid()), *cmd[2:]]
+        return subprocess.Popen(cmd, *args[1:], **{**kwargs, "start_new_session": True})
 
 
 def start_temporary_server_in_own_session() -> None:

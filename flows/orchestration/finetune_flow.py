@@ -10,6 +10,7 @@ from prefect import flow, task
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
 
+from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
 from flows.orchestration.ui_artifacts import publish
 from stages.engine.cli import describe
@@ -58,6 +59,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     route_logs()
     cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
+    claim_and_reap(current_flow_run_id())
     states: dict[str, State] = {}
 
     def run_task(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Outcome], *, force: bool,

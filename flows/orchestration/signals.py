@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import signal
-import sys
 
 from flows.orchestration.compat_prefect import start_temporary_server_in_own_session
-from stages.engine.cli import RESUME_NOTE
+from stages.engine.cli import terminated
 
 
 def stop_cleanly_on_signals() -> None:
@@ -19,14 +18,13 @@ def stop_cleanly_on_signals() -> None:
     - SIGTERM: with the default handler the process died at once, leaving the server running, orphaned, on its
       port. Prefect's engine marks the run Crashed and then re-sends the signal to the handler that was there
       before the flow started: this one, installed before it, which exits through SystemExit(143) so that the
-      exit hooks stop the server."""
+      exit hooks stop the server.
+    - kill -9: nothing of this process runs; the server watches it and stops itself (server_watch.py), and
+      the next flow run marks the dead run Crashed (run_owner.py).
+    SIGINT ignored (a script's `cmd &`) is restored by stages.engine.cli.guarded."""
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url is None:  # no server configured: Prefect will start a temporary one
         start_temporary_server_in_own_session()
 
-    def _exit(signum: int, frame: object) -> None:
-        print(f"terminated; {RESUME_NOTE}", file=sys.stderr)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGTERM, terminated)

@@ -17,6 +17,7 @@ the markdown artifact `sweep-<name>-chart`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -33,6 +34,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.orchestration.compat_prefect import literal_task_run_name, wait_for_task_run
 from flows.orchestration.finetune_flow import finetune, user_error
+from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
 from flows.orchestration.ui_artifacts import artifact_key
 from flows.reports import comparison, sweep_outputs
@@ -40,6 +42,7 @@ from flows.reports.variants import Run, Sweep, from_spec, named_sweep
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
+from stages.engine.runs import SWEEP_ENV
 
 log = logging.getLogger("finetune.sweep")
 
@@ -125,6 +128,7 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     its workers) instead of a process beside this flow."""
     route_logs()
     config = config or str(DEFAULT_PIPELINE_FILE)
+    claim_and_reap(current_flow_run_id())
     try:
         sw = from_spec(name, spec, config) if spec else named_sweep(name, config)
     except FinetuneError as e:
@@ -133,7 +137,11 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
         api_url = str(client.api_url)
     print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
           f"{f' x {len(sw.config.seeds)} seeds' if sw.config.seeds else ''}), {max(1, parallel)} at a time")
-    results, failed = _run_all(sw, parallel, config, api_url, on_workers)
+    os.environ[SWEEP_ENV] = sw.name  # the children's run records name their sweep (flows.inspect runs --sweep)
+    try:
+        results, failed = _run_all(sw, parallel, config, api_url, on_workers)
+    finally:
+        os.environ.pop(SWEEP_ENV, None)
     publish(sw)
     if failed:
         return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))

@@ -7,6 +7,7 @@ is not imported, no stage runs).
     finetune inspect gc [--force] [--keep-refs] [--json]
     finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
+    finetune inspect runs [PIPELINE] [--sweep NAME] [--json | --csv]
 
 `status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
 config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
@@ -15,7 +16,7 @@ stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the
 current keys reach (dry run) and removes them with --force. `compare` ranks a sweep's variants from the
 store (flows/reports/comparison.py; exit 1 while a run has no results for the current code); `diff` says which stages
 two configs share, which differ and why, and their params and metrics side by side (exit 1 when a stage
-differs).
+differs). `runs` lists every run the store saw (flows/reports/runs.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import json
 import sys
 
-from flows.reports import comparison, config_diff
+from flows.reports import comparison, config_diff, runs
 from flows.reports.formatting import local_time, number, render_table
 from flows.reports.variants import add_sweep_args, from_args
 from stages.common.memory import free_memory
@@ -115,6 +116,12 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
                     help="an override of A (repeatable)")
     add_config_option(di)
     di.add_argument("--json", action="store_true", help="machine-readable output")
+    ru = sub.add_parser("runs", help="every run the store saw: when, pipeline, --set, stages, metrics, train time")
+    ru.add_argument("pipeline", nargs="?", help="only this pipeline's runs")
+    ru.add_argument("--sweep", help="only the runs of this sweep")
+    fmt = ru.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output")
+    fmt.add_argument("--csv", action="store_true", help="one CSV line per run")
     return p
 
 
@@ -129,6 +136,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
             return cmd_compare(args, store)
         if args.command == "diff":
             return cmd_diff(args, store)
+        if args.command == "runs":
+            print(runs.report(store, args.pipeline, args.sweep, args.json, args.csv))
+            return 0
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
         if args.command == "memory":
             return cmd_memory(cfg)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from stages.engine.status import RESUME_FILE
 from stages.engine.store import fsync_path, work_saved
 
 CKPT_RE = re.compile(r"^step-(\d{6,})$")
@@ -115,8 +116,10 @@ def checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Module, optimizer: Any,
-                    scheduler: Any, scaler: Any, keep: int, links: dict[str, Path] | None = None) -> Path:
-    """`links`: files to hold in the checkpoint under these names, hard-linked (copied where links fail)."""
+                    scheduler: Any, scaler: Any, keep: int, links: dict[str, Path] | None = None,
+                    of: int | None = None) -> Path:
+    """`links`: files to hold in the checkpoint under these names, hard-linked (copied where links fail).
+    `of`: the run's planned steps, for `inspect status` ("resumable from step N of M": write_resume_point)."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # a dead writer's leftovers
         shutil.rmtree(stale, ignore_errors=True)
@@ -139,6 +142,8 @@ def save_checkpoint(root: Path, progress: TrainingProgress, model: torch.nn.Modu
     fsync_path(root)
     for _, old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    if of is not None:
+        write_resume_point(root.parent, progress.step, of)
     work_saved(final)  # on a shared store: uploaded now, the newest one only, so another machine resumes
     return final
 
@@ -161,6 +166,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: Any, schedule
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     return TrainingProgress(**json.loads((path / "progress.json").read_text()))
+
+
+def write_resume_point(work_dir: Path, step: int, total: int) -> None:
+    """For `inspect status`: "resumable from step N of M" (stages/engine/status.py reads it)."""
+    tmp = work_dir / f".{RESUME_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step, "of": total}))
+    os.replace(tmp, work_dir / RESUME_FILE)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -55,8 +57,27 @@ def describe(o: Outcome) -> str:
 RESUME_NOTE = "committed stages stay in the store, the next run resumes from them"
 
 
+def terminated(signum: int, frame: object) -> None:
+    """SIGTERM: exit 143 through SystemExit, so that exit hooks (a temporary Prefect server's stop) run."""
+    print(f"terminated; {RESUME_NOTE}", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+def honour_stop_signals() -> None:
+    """Ctrl-C and SIGTERM stop the command however it was started: a process started in a script's
+    background (`cmd &`) inherits SIGINT *ignored*, and Python then installs no KeyboardInterrupt handler;
+    SIGTERM's default would end the process without a word or an exit hook."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, terminated)
+
+
 def guarded(fn: Callable[[], int | None]) -> int:
-    """Run fn; a FinetuneError becomes one line on stderr and exit code 2."""
+    """Run fn (Ctrl-C and SIGTERM honoured); a FinetuneError becomes one line on stderr and exit code 2."""
+    honour_stop_signals()
     try:
         return fn() or 0
     except FinetuneError as e:

@@ -23,6 +23,7 @@ from stages.engine.fingerprint import (
     library_versions,
     remembered_code_fingerprint,
 )
+from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, StageKey, Store
 
@@ -298,16 +299,26 @@ def run_pipeline(cfg: PipelineConfig, store: Store, graph: Iterable[Stage], *, o
     items = plan(cfg, graph, store.hashes())
     done = upstream_for_only(items, only, store, verify, run_command(cfg)) if only else {}
     results = []
-    for item in to_run(items, only, until):
-        name = item.stage.name
-        outcome = run(cfg, item, store, done, force=name in force, verify=verify)
-        done[name] = outcome
-        results.append(outcome)
-        if on_outcome:
-            on_outcome(outcome)
-        if outcome.reason == JOINED:  # no artifact on this machine for the stages after it
-            log.info("%s joined another machine's run: the stages after it run there", name)
-            break
+    record = RunRecord(records_root(store), cfg.name, cfg.overrides,
+                       {"only": only, "until": until, "force": sorted(force)})
+    name = None
+    try:
+        for item in to_run(items, only, until):
+            name = item.stage.name
+            outcome = run(cfg, item, store, done, force=name in force, verify=verify)
+            done[name] = outcome
+            results.append(outcome)
+            record.stage(outcome)
+            if on_outcome:
+                on_outcome(outcome)
+            name = None
+            if outcome.reason == JOINED:  # no artifact on this machine for the stages after it
+                log.info("%s joined another machine's run: the stages after it run there", item.stage.name)
+                break
+    except BaseException as err:
+        record.failed(name, err)
+        raise
+    record.end()
     return results
 
 

@@ -9,6 +9,7 @@ else the newest artifact of that stage made by the same pipeline.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ from stages.engine.schema import PipelineConfig
 from stages.engine.store import StageKey, Store, folder_size
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
+# A stage that resumes (train) keeps {"step": N, "of": M} here in its scratch folder, for `status` to say
+# "resumable from step N of M" without knowing the stage's checkpoint format.
+RESUME_FILE = "resume.json"
 
 # Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found).
 HEADLINE = ("accuracy", "val_accuracy", "rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "val_loss",
@@ -41,6 +45,7 @@ class StageStatus:
     size_bytes: int | None = None
     created: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # headline metrics
+    resumable: dict[str, int] | None = None  # {"step", "of"}: a stopped run of this key left a checkpoint
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,7 +194,19 @@ def stage_status(store: Store, pipeline: str, item: Planned) -> StageStatus:
         st.reasons = ["not in cache"]
     if corrupt:
         st.reasons.append(f"current artifact invalid: {'; '.join(problems)}")
+    st.resumable = resume_point(store.work_dir(sk.stage, sk.key))
+    if st.resumable:
+        st.reasons.append(f"resumable from step {st.resumable['step']} of {st.resumable['of']} (a stopped run's "
+                          "checkpoint; the next run continues from it)")
     return st
+
+
+def resume_point(work_dir: Path) -> dict[str, int] | None:
+    try:
+        note = json.loads((work_dir / RESUME_FILE).read_text())
+        return {"step": int(note["step"]), "of": int(note["of"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def pipeline_status(cfg: PipelineConfig, store: Store, graph: Iterable[Stage]) -> list[StageStatus]:

@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import psutil
 import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
 
@@ -121,33 +123,50 @@ def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkey
     assert any(rec.message.lstrip().startswith("train ") and "computed" in rec.message for rec in logs)
 
 
+TRAINING = [sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
+            "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1"]
+
+
+def start_training(env: dict, fh, log: Path, sigint) -> tuple[subprocess.Popen, int]:
+    """`python -m flows.finetune` training for long, in its own session, SIGINT as given: (process, port of its
+    temporary Prefect server), once it has done a few steps."""
+    p = subprocess.Popen(TRAINING, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    deadline = time.monotonic() + 240
+    try:
+        while not re.search(r"Step 0002/", log.read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return p, int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
+
+
 @pytest.mark.parametrize(("how", "rc", "line"), [
     ("ctrl-c", 130, "interrupted; committed stages stay in the store"),
     ("sigterm", 143, "terminated; committed stages stay in the store"),
+    ("background kill -INT", 130, "interrupted; committed stages stay in the store"),
 ])
 def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc, line):
     """`python -m flows.finetune` with no Prefect server configured, stopped while training: by Ctrl-C (a
     terminal sends SIGINT to the whole process group) or by `kill PID` (SIGTERM). The run ends Crashed, the
     process exits within seconds, and the temporary Prefect server it started is stopped with it. Before:
     Ctrl-C also killed the server and the run then hung for minutes retrying the dead API; SIGTERM left the
-    server running, orphaned, on its port."""
+    server running, orphaned, on its port. Started in a script's background (SIGINT inherited ignored), `kill
+    -INT` stops it too. The train stage writes a checkpoint at the step it stopped; `inspect status` says so."""
     env = subprocess_env(tmp_path / "store")
     env.pop("PREFECT_API_URL", None)  # a temporary server, as for a user without one
     log = tmp_path / "out.log"
     with log.open("w") as fh:
-        p = subprocess.Popen([sys.executable, "-m", "flows.finetune", "tiny-imdb", "--set", "train.epochs=1000",
-                              "--set", "data.subset={train: 32, validation: 8, test: 8}"], cwd=ROOT, env=env,
-                             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+        # as in a terminal; `cmd &` in a script starts it with SIGINT ignored
+        p, port = start_training(env, fh, log, signal.SIG_IGN if "background" in how else signal.SIG_DFL)
         try:
-            deadline = time.monotonic() + 240
-            while "finetune.train - train:" not in log.read_text():  # training has started
-                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            port = int(re.search(r"temporary server on http://127\.0\.0\.1:(\d+)", log.read_text()).group(1))
             stopped_at = time.monotonic()
             if how == "ctrl-c":
                 os.killpg(p.pid, signal.SIGINT)
+            elif "background" in how:
+                p.send_signal(signal.SIGINT)
             else:
                 p.send_signal(signal.SIGTERM)
             code = p.wait(timeout=60)
@@ -158,5 +177,44 @@ def test_a_stopped_run_crashes_and_stops_its_temporary_server(tmp_path, how, rc,
     out = log.read_text()
     assert code == rc, out[-3000:]
     assert "Finished in state Crashed" in out and line in out
+    # the train stage saved where it stopped: a resume checkpoint of the last finished step
+    stop = re.search(r"train: (?:Ctrl-C \(SIGINT\)|SIGTERM) at step (\d+) of \d+: checkpoint (\S+); the next run", out)
+    assert stop, out[-3000:]
+    assert Path(stop.group(2)).name == f"step-{int(stop.group(1)):06d}" and Path(stop.group(2), "progress.json").is_file()
+    status = subprocess.run([sys.executable, "-m", "flows.inspect", "status", *TRAINING[3:]], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert re.search(rf"\ntrain .*\n(    .*\n)*?    resumable from step {stop.group(1)} of \d+ ", status.stdout), status.stdout
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed(tmp_path):
+    """`kill -9` of `python -m flows.finetune` (started in the background) while training: no exit hook runs,
+    yet its temporary Prefect server stops within seconds (it watches its parent), and the next command
+    marks the dead run Crashed (it was left Running)."""
+    env = subprocess_env(tmp_path / "store", PREFECT_HOME=str(tmp_path / "prefect"))
+    env.pop("PREFECT_API_URL", None)
+    log = tmp_path / "out.log"
+    with log.open("w") as fh:
+        p, port = start_training(env, fh, log, signal.SIG_IGN)
+        children = psutil.Process(p.pid).children(recursive=True)  # the temporary server among them
+        try:
+            p.kill()
+            assert p.wait(timeout=30) == -signal.SIGKILL
+            deadline = time.monotonic() + 20
+            while True:  # the server notices within 0.5 s and stops gracefully (5 s at most)
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                except ConnectionRefusedError:
+                    break
+                assert time.monotonic() < deadline, f"the temporary server still listens on port {port}"
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            for child in children:  # whatever outlived it (a server that failed to stop itself)
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+    nxt = subprocess.run([*TRAINING, "--until", "data"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert nxt.returncode == 0, (nxt.stdout + nxt.stderr)[-3000:]
+    assert "was left Running by a process that is gone: marked Crashed" in nxt.stdout + nxt.stderr

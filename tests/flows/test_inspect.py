@@ -13,6 +13,7 @@ from helpers import ROOT, needs_shared_data, subprocess_env
 
 from flows.inspect import main
 from stages.engine.config import load_pipeline
+from stages.engine.runner import run_stage
 from stages.engine.store import Store
 from stages.graph import pipeline_status, plan, run_pipeline
 
@@ -197,6 +198,48 @@ def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
     rc, out = inspect(capsys, "gc", "--config", str(config), "--force")
     assert "removed 1 of 1" in out and store.problems("tokenize", orphan) == ["not in store"]
     assert store.problems("tokenize", by["tokenize"]["key"]) == []
+
+
+def test_runs_lists_every_run_with_its_set_list_stage_outcomes_and_metrics(env, capsys, monkeypatch):
+    """`inspect runs`: the module's full run, a rerun with an evaluation change (only evaluate computes),
+    a run of a sweep (all cached) and a run stopped by a failing stage, each with what it did."""
+    config, store = env
+    before = len(json.loads(inspect(capsys, "runs", PIPELINE, "--json")[1]))
+    run_pipeline(load_pipeline(PIPELINE, ["evaluate.max_examples=4"], config), Store(store))
+    monkeypatch.setenv("FINETUNE_SWEEP", "my-sweep")
+    run_pipeline(load_pipeline(PIPELINE, None, config), Store(store))
+    monkeypatch.delenv("FINETUNE_SWEEP")
+
+    def evaluate_breaks(cfg, item, *args, **kwargs):
+        if item.stage.name == "evaluate":
+            raise RuntimeError("disk on fire")
+        return run_stage(cfg, item, *args, **kwargs)
+
+    with pytest.raises(RuntimeError):
+        run_pipeline(load_pipeline(PIPELINE, ["evaluate.max_examples=3"], config), Store(store), run=evaluate_breaks)
+
+    rc, out = inspect(capsys, "runs", PIPELINE, "--json")
+    runs = json.loads(out)
+    assert rc == 0 and len(runs) == before + 3
+    first, changed, swept, failed = runs[0], *runs[-3:]
+    assert set(first["stages"].values()) == {"computed"} and first["status"] == "completed"
+    assert first["train_seconds"] > 0 and "splits.test.accuracy" in first["metrics"]
+    assert changed["set"] == ["evaluate.max_examples=4"] and changed["status"] == "completed"
+    assert [s for s, v in changed["stages"].items() if v == "computed"] == ["evaluate"]
+    assert swept["sweep"] == "my-sweep" and set(swept["stages"].values()) == {"cached"}
+    assert failed["status"] == "failed" and failed["stages"]["evaluate"] == "failed"
+    assert "disk on fire" in failed["error"]
+
+    assert [r["id"] for r in json.loads(inspect(capsys, "runs", "--sweep", "my-sweep", "--json")[1])] == [swept["id"]]
+    rc, text = inspect(capsys, "runs", PIPELINE)
+    lines = text.splitlines()
+    assert rc == 0 and lines[0].split()[:3] == ["started", "pipeline", "stages"]
+    marks = "".join("C" if v == "computed" else "c" for v in changed["stages"].values())
+    assert f" {marks} " in lines[-4] and lines[-4].endswith("evaluate.max_examples=4")
+    assert "small [my-sweep]" in lines[-3] and "failed" in lines[-2]
+    rc, table = inspect(capsys, "runs", PIPELINE, "--csv")
+    assert rc == 0 and table.splitlines()[0].startswith("started,id,pipeline,sweep,status,set,data,")
+    assert len(table.splitlines()) == len(runs) + 1
 
 
 def test_status_prints_the_command_that_runs_what_is_stale_as_given(env, capsys):

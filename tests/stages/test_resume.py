@@ -150,3 +150,52 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     (root / ".tmp-abc").mkdir()
     assert [s for s, _ in checkpoints(root)] == [4]
     assert latest_checkpoint(root).name == "step-000004"
+
+
+@pytest.mark.parametrize("where", ["after step 5", "mid-step 6"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_checkpoints_the_last_finished_step_and_resume_matches(where, signum, reference, tmp_path,
+                                                                            caplog):
+    """Ctrl-C / SIGTERM (a real signal to this process) at a step that is no checkpoint step: a checkpoint
+    is written at step 5 (mid-step 6: that step is abandoned at its second micro-batch), the signal then
+    takes its course (here a handler raising), and the resumed run ends with the uninterrupted weights."""
+    ref_metrics, ref_weights = reference
+    work, out = tmp_path / "work", tmp_path / "out"
+    torch.set_num_threads(1)
+    model = tiny_classifier(dropout=0.1)
+    calls = {"forwards": 0}
+
+    def on_step(step, loss):
+        if where == "after step 5" and step == 5:
+            os.kill(os.getpid(), signum)
+
+    def forward_hook(module, args):
+        calls["forwards"] += 1  # 2 micro-batches a step: the 11th forward is step 6's first
+        if where == "mid-step 6" and calls["forwards"] == 11:
+            os.kill(os.getpid(), signum)
+
+    class Stopped(Exception):
+        pass
+
+    def raise_stopped(sig, frame):
+        raise Stopped(sig)
+
+    model.register_forward_pre_hook(forward_hook)
+    before = signal.signal(signum, raise_stopped)
+    try:
+        with pytest.raises(Stopped), caplog.at_level(logging.INFO, logger="test.resume"):
+            train_model(model, cls_rows(96, seed=11), cls_rows(16, seed=12), settings(), "seq_cls", PAD, out, work,
+                        log, on_step=on_step)
+    finally:
+        handler_after = signal.signal(signum, before)
+    assert handler_after is raise_stopped  # the handler from before the run is back
+    assert calls["forwards"] == (10 if where == "after step 5" else 11)  # step 6's second micro-batch never ran
+    assert [s for s, _ in checkpoints(work / "checkpoints")] == [3, 5]
+    stop_lines = [r.message for r in caplog.records if "the next run resumes from it" in r.message]
+    assert len(stop_lines) == 1 and "at step 5 of 24" in stop_lines[0], stop_lines
+
+    with caplog.at_level(logging.INFO, logger="test.resume"):
+        m, weights = train(work, out)
+    assert any("resumed from step 5 " in r.message for r in caplog.records)
+    assert max_diff(ref_weights, weights) <= 1e-6
+    assert m["validation"] == ref_metrics["validation"] and m["real_tokens"] == ref_metrics["real_tokens"]

@@ -18,6 +18,7 @@ from helpers import needs_shared_data, run
 from safetensors.torch import load_file
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
+import stages.common.losses as losses
 import stages.train as train_stage
 from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
 from stages.common.health import Watchdog
@@ -43,7 +44,7 @@ def train_early(work: Path, out: Path, on_step=None) -> tuple[dict, dict]:
 def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store_dir, monkeypatch):
     nan_at = 5  # optimizer step whose loss (and so its gradients) turn NaN
     seen = {"step": 0}
-    real_window, real_loss = train_stage.accumulate_window, train_stage.summed_loss
+    real_window, real_loss = train_stage.accumulate_window, losses.summed_loss
 
     def window(*a, **kw):  # one call per optimizer step in one process
         seen["step"] += 1
@@ -54,7 +55,7 @@ def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store
         return out * float("nan") if seen["step"] == nan_at else out
 
     monkeypatch.setattr(train_stage, "accumulate_window", window)
-    monkeypatch.setattr(train_stage, "summed_loss", loss)
+    monkeypatch.setattr(losses, "summed_loss", loss)
     sets = ("data.subset={train: 48, validation: 8, test: 8}", "train.max_steps=8", "train.checkpoint_every=2")
     with pytest.raises(DivergenceError) as err:
         run("tiny-imdb", *sets, until="train")

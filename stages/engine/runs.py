@@ -1,0 +1,92 @@
+"""Run records: one JSON file per pipeline run under the store's `runs/`, for `python -m flows.inspect runs`.
+
+A record is written when the run starts and rewritten (atomically) after each stage and at the end:
+when, the pipeline, its `--set` list, the sweep it belongs to (FINETUNE_SWEEP, set by a sweep for its
+runs), per stage in the order run its outcome (computed / cached / failed) with key and seconds, the key metrics of the
+train and evaluate stages (numbers only), the train time, and how the run ended (completed / failed /
+interrupted; `running` while it runs, or when its process died).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from stages.engine.store import Outcome, now_iso, write_json_atomic
+
+SWEEP_ENV = "FINETUNE_SWEEP"
+METRIC_STAGES = ("evaluate", "train")  # whose metrics a run shows, in this order
+
+
+class RunRecord:
+    def __init__(self, root: Path, pipeline: str, overrides: list[str], selection: dict[str, Any]):
+        started = now_iso()
+        self.path = root / "runs" / f"{started.replace(':', '').replace('-', '')[:15]}-{uuid.uuid4().hex[:8]}.json"
+        self.data: dict[str, Any] = {
+            "id": self.path.stem, "started": started, "ended": None, "pipeline": pipeline,
+            "set": list(overrides), "sweep": os.environ.get(SWEEP_ENV) or None, "status": "running",
+            "host": socket.gethostname(), "pid": os.getpid(), "selection": selection, "stages": [],
+            "metrics": {}, "train_seconds": None, "error": None}
+        self.save()
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.path, self.data)
+        except OSError:  # a history that cannot be written never stops a run
+            pass
+
+    def stage(self, o: Outcome) -> None:
+        manifest = o.manifest or {}  # none on this machine for a stage that joined another machine's run
+        metrics = manifest.get("metrics")
+        status = "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
+        self.data["stages"].append({"stage": o.stage, "status": status, "key": o.key,
+                                    "duration_s": manifest.get("duration_s")})
+        if o.stage in METRIC_STAGES and isinstance(metrics, dict):
+            self.data["metrics"][o.stage] = scalars(metrics)
+        if o.stage == "train" and isinstance(metrics, dict):
+            self.data["train_seconds"] = metrics.get("train_seconds")
+        self.save()
+
+    def failed(self, stage: str | None, err: BaseException) -> None:
+        if stage is not None:
+            self.data["stages"].append({"stage": stage, "status": "failed"})
+        self.end("failed" if isinstance(err, Exception) else "interrupted", f"{type(err).__name__}: {err}")
+
+    def end(self, status: str = "completed", error: str | None = None) -> None:
+        self.data.update(status=status, ended=now_iso(), error=error)
+        self.save()
+
+
+def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The numbers of a stage's metrics, flat with dotted names (of a list of records, the last record's:
+    train's validation history), not its tables."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, list) and v and isinstance(v[-1], dict):
+            v = v[-1]
+        if isinstance(v, dict):
+            out.update(scalars(v, f"{prefix}{k}."))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def records_root(store: Any) -> Path:
+    """The folder that holds runs/: the store's own, a shared store's local cache (records stay per machine)."""
+    return getattr(store, "root", None) or store.local.root
+
+
+def read_runs(root: Path) -> list[dict[str, Any]]:
+    """Every run record under root/runs, oldest first (unreadable files skipped)."""
+    out = []
+    for f in sorted((root / "runs").glob("*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r.get("started") or "")
