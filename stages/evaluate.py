@@ -30,6 +30,7 @@ import torch
 from stages.common import metrics
 from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX, collate, split_micro
+from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
@@ -193,12 +194,14 @@ def run(ctx: Any) -> dict[str, Any]:
     tok = load_tokenizer(tok_dir / "tokenizer")
     model = load_evaluated(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
     device = device_for(model)
+    precision = resolve_precision(ctx.cfg.train.mixed_precision, device)  # training's, resolved at plan
+    ctx.log.info("evaluate: device %s, precision %s (%s)", device, precision.name, precision.reason)
     gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
     scores = metrics.metric_names(e.metrics, task)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
     results: dict[str, Any] = {}
-    with open(ctx.out_dir / "predictions.jsonl", "w") as out:
+    with open(ctx.out_dir / "predictions.jsonl", "w") as out, autocast(precision, device):
         for split in e.splits:
             part = ds[split]
             if e.max_examples:
@@ -237,4 +240,5 @@ def run(ctx: Any) -> dict[str, Any]:
                              str(rec["reference"])[:200])
     (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"task": task, "splits": results, **({"label_names": names} if names else {}),
+            "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

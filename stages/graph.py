@@ -64,13 +64,14 @@ STAGES: list[Stage] = [
         body=train.run,
         reads=("train", "model.task"),
         upstream=("tokenize", "model", "adapters"),
+        resolve=train.resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
         name="evaluate",
         body=evaluate_stage.run,
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
-        reads=("evaluate", "model.task"),
+        reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
         inputs=evaluate_stage.metric_files,  # the evaluate modules' files: loaded by path, not imported
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),

@@ -2,9 +2,11 @@
 
     setup (TrainRun.__init__)  ->  loop over optimizer steps (TrainRun.train)  ->  cleanup (TrainRun.finish)
 
-Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, fp32 on CPU) and accelerate's
-`Accelerator` (stages/common/device.py), optimizer and LR schedule (stages/common/optim.py), and the
-latest resume checkpoint from `work_dir` if a run of this same key was killed.
+Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, on a CPU bf16 where it has bf16
+units, else fp32) and accelerate's `Accelerator` (stages/common/device.py), optimizer and LR schedule
+(stages/common/optim.py), and the latest resume checkpoint from `work_dir` if a run of this same key was
+killed. `auto` is resolved before any key is computed (resolve_mixed_precision), so the key holds the
+precision actually used.
 
 Loop: each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps
 rows, chosen by a seeded length-grouped sampler: stages/common/batching.py), cuts it into micro-batches
@@ -55,7 +57,9 @@ from stages.common.device import (
     is_oom,
     make_accelerator,
     release_memory,
+    resolve_precision,
     seed_everything,
+    training_device,
     upcast_trainable,
 )
 from stages.common.health import BestKeeper, Watchdog, check_settings
@@ -66,12 +70,22 @@ from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
 from stages.common.splits import Rows, evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.schema import TrainConfig
+from stages.engine.schema import PipelineConfig, TrainConfig
 
 TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 
 # ====================================================================== the stage
+
+def resolve_mixed_precision(cfg: PipelineConfig) -> PipelineConfig:
+    """train.mixed_precision `auto` -> what it picks on this machine (bf16, fp16 or no), before any key is
+    computed: the train key, and evaluate's (its forward passes use the same precision), hold the precision
+    actually used, so a machine with bf16 units and one without never share a train artifact."""
+    if cfg.train.mixed_precision != "auto":
+        return cfg
+    name = resolve_precision("auto", training_device()).name
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixed_precision": name})})
+
 
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train
@@ -120,7 +134,7 @@ class TrainRun:
         self.accelerator, self.precision = make_accelerator(tcfg.mixed_precision, log)
         self.device, self.world = self.accelerator.device, self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
-        if self.precision != "no":
+        if self.precision.name != "no":
             upcast_trainable(model, log)
         if tcfg.gradient_checkpointing:
             enable_gradient_checkpointing(model, log)
@@ -302,7 +316,8 @@ class TrainRun:
             "micro_batch_size": p.micro_batch_size,
             "gradient_accumulation_steps": math.ceil(self.effective / (p.micro_batch_size * self.world)),
             "num_processes": self.world,
-            "precision": self.precision,
+            "precision": self.precision.name,
+            "precision_reason": self.precision.reason,
             "optimizer": cfg.optimizer,
             "trainable_params": self.n_trainable,
             "total_params": self.n_total,
