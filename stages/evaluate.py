@@ -56,7 +56,8 @@ def exact_cpu_kernels(model: torch.nn.Module) -> None:
 
 
 def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> torch.nn.Module:
-    """The model this stage evaluates (eval mode): the trained model, fp32 on CPU."""
+    """The model this stage evaluates (eval mode): the trained model, fp32 weights on CPU (its forward passes
+    autocast in training's precision, `run`)."""
 
     model = load_trained(model_dir, adapters_dir, train_dir)
     exact_cpu_kernels(model)

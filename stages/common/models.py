@@ -43,7 +43,8 @@ def auto_class(task: str) -> Any:
 
 
 def compute_dtype(name: str) -> torch.dtype:
-    """`auto`: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU (bf16 matmul is ~80x slower there)."""
+    """`auto`: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU (bitsandbytes' CPU kernels; training's
+    bf16 on CPUs with bf16 units is train.mixed_precision's autocast, stages/common/device.py)."""
     if name != "auto":
         return DTYPES[name]
     if torch.cuda.is_available():
