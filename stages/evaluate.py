@@ -36,14 +36,8 @@ from stages.common.losses import loss_units, summed_loss
 from stages.common.models import load_trained
 from stages.common.progress import iterate
 from stages.engine.errors import MissingInputError
-from stages.engine.schema import PipelineConfig
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
-
-
-def metric_files(cfg: PipelineConfig) -> list[Path]:
-    """The stage's input files: the `evaluate` modules it loads by path (a wrong metric fails here, at plan)."""
-    return metrics.module_files(metrics.metric_names(cfg.evaluate.metrics, cfg.model.task))
 
 
 def exact_cpu_kernels(model: torch.nn.Module) -> None:

@@ -34,10 +34,7 @@ import torch
 from stages.common.models import DTYPES, LOAD_INFO, load_info, load_model, peft_dispatch
 from stages.engine.errors import ConfigError
 from stages.engine.runner import select
-
-# the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
-CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
-
+from stages.engine.schema import CARD_SECTIONS
 
 # ---------------------------------------------------------------- weights
 

@@ -1,7 +1,8 @@
 """The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
 Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it.
 
-The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
+The bodies are named, not imported (Lazy): planning, and a run where every stage is a store hit, import no
+torch or transformers. The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
 bound to this graph, for the command lines and flows above."""
 
 from __future__ import annotations
@@ -10,17 +11,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from stages import adapters, data, model, tokenize, train
-from stages import evaluate as evaluate_stage
-from stages import export as export_stage
-from stages.common.fit import check_pipeline_fits
-from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
-from stages.common.models import input_files as model_input_files
+from stages import data
+from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
+from stages.common.metrics import metric_files
+from stages.common.precision import resolve_mixed_precision
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.remote_store import open_store
-from stages.engine.runner import Planned, Stage
-from stages.engine.schema import PipelineConfig
+from stages.engine.runner import Lazy, Planned, Stage
+from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 from stages.engine.store import Outcome, Store
 
 STAGES: list[Stage] = [
@@ -35,7 +34,7 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="tokenize",
-        body=tokenize.run,
+        body=Lazy("stages.tokenize", "run"),
         reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
                "model.trust_remote_code"),
         upstream=("data",),
@@ -45,8 +44,8 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="model",
-        body=model.run,
-        precheck=check_pipeline_fits,  # stop before loading when training cannot fit
+        body=Lazy("stages.model", "run"),
+        precheck=Lazy("stages.common.fit", "check_pipeline_fits"),  # stop before loading when training cannot fit
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         inputs=model_input_files,
         deps=model_deps,
@@ -54,34 +53,34 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="adapters",
-        body=adapters.run,
+        body=Lazy("stages.adapters", "run"),
         reads=("adapters",),
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
     Stage(
         name="train",
-        body=train.run,
+        body=Lazy("stages.train", "run"),
         reads=("train", "model.task"),
         upstream=("tokenize", "model", "adapters"),
-        resolve=train.resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
+        resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
         name="evaluate",
-        body=evaluate_stage.run,
+        body=Lazy("stages.evaluate", "run"),
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
         reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
-        inputs=evaluate_stage.metric_files,  # the evaluate modules' files: loaded by path, not imported
+        inputs=metric_files,  # the evaluate modules' files: loaded by path, not imported
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),
     Stage(
         name="export",
-        body=export_stage.run,
+        body=Lazy("stages.export", "run"),
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
         # Not `evaluate`: the card carries training metrics, so evaluation changes never re-export.
-        reads=("name", "description", "weight_overrides", *export_stage.CARD_SECTIONS),
+        reads=("name", "description", "weight_overrides", *CARD_SECTIONS),
         upstream=("tokenize", "model", "adapters", "train"),  # tokenize: the tokenizer shipped with the model
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),

@@ -5,7 +5,7 @@
 Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, on a CPU bf16 where it has bf16
 units, else fp32) and accelerate's `Accelerator` (stages/common/device.py), optimizer and LR schedule
 (stages/common/optim.py), and the latest resume checkpoint from `work_dir` if a run of this same key was
-killed. `auto` is resolved before any key is computed (resolve_mixed_precision), so the key holds the
+killed. `auto` is resolved before any key is computed (precision.resolve_mixed_precision), so the key holds the
 precision actually used.
 
 Loop: each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps
@@ -57,9 +57,7 @@ from stages.common.device import (
     is_oom,
     make_accelerator,
     release_memory,
-    resolve_precision,
     seed_everything,
-    training_device,
     upcast_trainable,
 )
 from stages.common.health import BestKeeper, Watchdog, check_settings
@@ -70,22 +68,12 @@ from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
 from stages.common.splits import Rows, evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.schema import PipelineConfig, TrainConfig
+from stages.engine.schema import TrainConfig
 
 TASKS = ("seq_cls", "seq2seq", "causal_lm")
 
 
 # ====================================================================== the stage
-
-def resolve_mixed_precision(cfg: PipelineConfig) -> PipelineConfig:
-    """train.mixed_precision `auto` -> what it picks on this machine (bf16, fp16 or no), before any key is
-    computed: the train key, and evaluate's (its forward passes use the same precision), hold the precision
-    actually used, so a machine with bf16 units and one without never share a train artifact."""
-    if cfg.train.mixed_precision != "auto":
-        return cfg
-    name = resolve_precision("auto", training_device()).name
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixed_precision": name})})
-
 
 def run(ctx: Any) -> dict[str, Any]:
     task, tcfg = ctx.cfg.model.task, ctx.cfg.train

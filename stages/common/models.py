@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stages.common import memory
-from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
+from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
@@ -145,25 +145,6 @@ def fp32_modules_quantized(cls: type, enabled: bool) -> Iterator[None]:
     finally:
         for c, a, v in saved:
             setattr(c, a, v)
-
-
-def model_files(cfg: Any) -> list[Path]:
-    """Local checkpoint files whose content is in the key (a hub model is identified by id + revision)."""
-    m = cfg.model
-    if m.from_config:
-        return []
-    _, _, local = split_gguf(m.name, m.gguf_file)
-    if local is None:
-        return []
-    if local.is_file():
-        return [local]
-    return sorted(p for p in local.iterdir() if p.is_file() and (
-        p.suffix in (".safetensors", ".json", ".bin", ".gguf") and not p.name.startswith("tokenizer")))
-
-
-def input_files(cfg: Any) -> list[Path]:
-    """The stage's input files: the local checkpoint, and the tokenizer a pad token id may come from."""
-    return sorted(set(model_files(cfg)) | set(tokenizer_files(cfg)))
 
 
 def quiet_transformers() -> None:

@@ -293,6 +293,11 @@ class ExportConfig(Section):
         "float32", description="dtype of the merged model's weights (and of a full finetune's model/)")
 
 
+# the config sections the export stage's model card prints; stages/graph.py declares them (with name,
+# description) as export's reads
+CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "export")
+
+
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -179,15 +179,17 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
 
 
 def cpu_with(monkeypatch, **caps: bool) -> None:
-    """This process sees a CPU with these capabilities (torch.cpu.get_capabilities' names), detected."""
-    from stages.common.device import UNITS_ENV
+    """This process sees a CPU with these flags (/proc/cpuinfo's names), its bf16 units detected from them."""
+    from stages.common import precision
+    from stages.common.precision import UNITS_ENV
 
     monkeypatch.delenv(UNITS_ENV, raising=False)  # the suite names none (tests/conftest.py): detect instead
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_f": True, "avx2": True, **caps})
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx512f", "avx2", *(k for k, v in caps.items() if v)})
 
 
 def test_mixed_precision_auto_follows_the_cpus_bf16_units_and_the_gpu(tmp_path, monkeypatch):
-    from stages.common.device import UNITS_ENV, resolve_precision
+    from stages.common.device import resolve_precision
+    from stages.common.precision import UNITS_ENV
     from stages.engine.errors import ConfigError
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
