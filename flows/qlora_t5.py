@@ -1,8 +1,16 @@
-"""`python -m flows.qlora_t5 [--set KEY=VALUE] [--only STAGE] [--force STAGE]`: the qlora-t5-billsum pipeline."""
+"""`python -m flows.qlora_t5 [--set KEY=VALUE] [--only STAGE] [--force STAGE]` (= `finetune run qlora-t5-billsum`): the
+qlora-t5-billsum pipeline as a Prefect flow."""
+
+from __future__ import annotations
 
 import sys
 
-from flows.finetune import main
+from flows.orchestration.launch import run_main
+
+
+def main(argv: list[str] | None = None, *, prog: str = "python -m flows.qlora_t5") -> int:
+    return run_main(argv, default_pipeline="qlora-t5-billsum", prog=prog)
+
 
 if __name__ == "__main__":
-    sys.exit(main("qlora-t5-billsum"))
+    sys.exit(main())

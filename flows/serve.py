@@ -1,148 +1,15 @@
-"""Serve the `finetune` flow on a Prefect server: one deployment per pipeline of pipeline.yaml, named
-`finetune/<pipeline>`, whose runs execute in this process's machine (one at a time: one GPU); and the
-`sweep` flow, one deployment per sweep of the file, `sweep/<name>`.
-
-    prefect server start --host 127.0.0.1                   # 1. the API and UI: http://127.0.0.1:4200
-    python -m flows.serve                                   # 2. this: registers and serves the deployments
-    prefect deployment run finetune/bloom-imdb --watch      # 3. a run; parameters with -p:
-        -p 'overrides={"train.lr": 1e-4}'  -p only=train  -p 'force=["train"]'  -p until=tokenize  -p verify=true
-
-PREFECT_API_URL, when not set, defaults to http://127.0.0.1:4200/api. Ctrl-C or SIGTERM stops serving
-(a run in progress is cancelled; committed stages stay in the store and the next run reuses them).
-"""
+"""`python -m flows.serve [PIPELINE ...] [--limit N] [--wait SECONDS]` (= `finetune serve`): one deployment per
+pipeline and sweep, served on a Prefect server; flows/orchestration/serving.py."""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
-import signal
 import sys
-import time
 
-import flows  # noqa: F401  (Prefect defaults, before prefect is imported)
-from flows.serve_stop import serve_until_stopped
-from flows.variants import sweep
-from stages.engine.cli import guarded
-from stages.engine.config import load_pipeline, pipeline_names, store_root, sweep_names
-from stages.engine.errors import ConfigError, FinetuneError
-
-DEFAULT_API_URL = "http://127.0.0.1:4200/api"
+from flows.orchestration import serving
 
 
-class ServerUnreachableError(FinetuneError):
-    """No Prefect server answers at PREFECT_API_URL."""
-
-
-def wait_for_server(api_url: str, wait_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            if httpx.get(f"{api_url.rstrip('/')}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() >= deadline:
-            raise ServerUnreachableError(
-                f"no Prefect server answers at {api_url}; start one with `prefect server start --host 127.0.0.1` "
-                f"or set PREFECT_API_URL (waited {wait_s:.0f} s; --wait SECONDS to wait longer)")
-        time.sleep(1)
-
-
-def deployments(names: list[str]):
-    """One RunnerDeployment per pipeline; entrypoint flows.flow.finetune (module path, so the run
-    subprocess imports the project package, not a copy of the file)."""
-    from prefect.deployments.runner import EntrypointType
-
-    from flows.flow import finetune
-
-    sweeps = set(sweep_names())
-    out = sweep_deployments([n for n in names if n in sweeps])
-    for name in [n for n in names if n not in sweeps]:
-        cfg = load_pipeline(name)  # a broken pipeline fails here, before serving anything
-        out.append(finetune.to_deployment(
-            name=name,
-            parameters={"pipeline": name},
-            description=cfg.description or f"the {name} pipeline of pipeline.yaml",
-            tags=["finetune", name],
-            entrypoint_type=EntrypointType.MODULE_PATH,
-        ))
-    return out
-
-
-def sweep_deployments(names: list[str]):
-    """One RunnerDeployment per sweep of pipeline.yaml, `sweep/<name>` (flows/sweep_flow.py); its child runs
-    execute beside it, or with `-p on_workers=true` as runs of the `finetune/<pipeline>` deployment, which a
-    work pool's workers pick up."""
-    from prefect.deployments.runner import EntrypointType
-
-    from flows.sweep_flow import run_sweep
-
-    out = []
-    for name in names:
-        sw = sweep(name)  # a broken sweep (or one of its variants) fails here, before serving anything
-        out.append(run_sweep.to_deployment(
-            name=name,
-            parameters={"name": name},
-            description=sw.config.description or f"the {name} sweep of pipeline.yaml",
-            tags=["sweep", name],
-            entrypoint_type=EntrypointType.MODULE_PATH,
-        ))
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.serve", description="Serve one `finetune/<pipeline>` "
-                                "deployment per pipeline of pipeline.yaml on a Prefect server.")
-    p.add_argument("pipelines", nargs="*", help="pipelines (and sweeps) to serve (default: every pipeline and "
-                   "sweep in the file)")
-    p.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: one GPU)")
-    p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
-                   help="how long to wait for the Prefect server to answer (default 10)")
-    args = p.parse_args(argv)
-    # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then flows/serve_stop.py stops serving
-    # within seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-    def go() -> int:
-        available = pipeline_names() + sweep_names()  # the flows read pipeline.yaml themselves
-        unknown = [n for n in args.pipelines if n not in available]
-        if unknown:
-            raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")
-        names = args.pipelines or available
-        try:
-            return serve_deployments(names, args)
-        except KeyboardInterrupt:
-            print("flows.serve: stopped", flush=True)
-            return 0
-
-    return guarded(go)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def serve_deployments(names: list[str], args: argparse.Namespace) -> int:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    api_url = PREFECT_API_URL.value()
-    if api_url:  # from the environment or the active profile
-        ctx = contextlib.nullcontext()
-    else:  # a local `prefect server start`, never an ephemeral server nobody else can reach
-        api_url = os.environ["PREFECT_API_URL"] = DEFAULT_API_URL  # (flow-run subprocesses inherit it)
-        ctx = temporary_settings({PREFECT_API_URL: api_url})
-    with ctx:
-        wait_for_server(api_url, args.wait)
-        deps = deployments(names)
-        print(f"serving {len(deps)} deployments on {api_url} (UI: {api_url.removesuffix('/api')}); "
-              f"store {store_root()}; Ctrl-C to stop", flush=True)
-        serve_until_stopped(deps, args.limit, api_url)  # returns on Ctrl-C / SIGTERM
-    print("flows.serve: stopped", flush=True)
-    return 0
+def main(argv: list[str] | None = None, *, prog: str = "python -m flows.serve") -> int:
+    return serving.main(argv, prog=prog)
 
 
 if __name__ == "__main__":

@@ -50,20 +50,20 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text}: value is not valid YAML ({e.problem}); quote it") from None
-    return parts, _numberish(value)
+    return parts, yaml_number(value)
 
 
-def _numberish(value: Any) -> Any:
-    # YAML 1.1 reads 5e-5 as a string; people mean a number.
+def yaml_number(value: Any) -> Any:
+    # YAML 1.1 reads 5e-5 as a string; people mean a number (--set, --grid).
     if isinstance(value, str):
         try:
             return float(value) if any(c in value for c in "eE.") else value
         except ValueError:
             return value
     if isinstance(value, dict):
-        return {k: _numberish(v) for k, v in value.items()}
+        return {k: yaml_number(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_numberish(v) for v in value]
+        return [yaml_number(v) for v in value]
     return value
 
 
@@ -75,7 +75,7 @@ def overrides_to_dict(overrides: list[str] | dict[str, Any] | None) -> dict:
     items = (
         [parse_override(o) for o in overrides]
         if isinstance(overrides, list)
-        else [(k.split("."), _numberish(v)) for k, v in overrides.items()]
+        else [(k.split("."), yaml_number(v)) for k, v in overrides.items()]
     )
     for parts, value in items:
         node = nested

@@ -1,8 +1,8 @@
-"""The configuration reference in README.md, generated from the schema (stages/engine/schema.py): one markdown
+"""The configuration reference in docs/configuration.md, generated from the schema (stages/engine/schema.py): one markdown
 table per pipeline.yaml section, one row per field (nested models such as `data.split` flattened).
 
     python -m stages.engine.reference           # print the block
-    python -m stages.engine.reference --write   # refresh it in README.md, between the marker comments
+    python -m stages.engine.reference --write   # refresh it in docs/configuration.md, between the markers
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pydantic_core import PydanticUndefined
 
 from stages.engine.schema import SECTIONS, PipelineConfig, Section, SweepConfig
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 NOTE = "<!-- generated: edit the descriptions in stages/engine/schema.py, then `python -m stages.engine.reference --write` -->"
@@ -100,7 +100,7 @@ def table(model: type[BaseModel], prefix: str, names: list[str] | None = None, k
 
 
 def render() -> str:
-    """The README block between the markers (markers included)."""
+    """The block between the markers (markers included)."""
     fields = PipelineConfig.model_fields
     top = [n for n in fields if n not in SECTIONS]
     out = [START, NOTE, "", "Top level of each pipeline:", "", *table(PipelineConfig, "", top)]
@@ -115,15 +115,15 @@ def render() -> str:
 
 
 def current(text: str) -> str | None:
-    """The block as README.md holds it now, or None when the markers are missing."""
+    """The block as the document holds it now, or None when the markers are missing."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
         return None
     return text[start:end + len(END)]
 
 
-def write(readme: Path = README) -> bool:
-    """Refresh the block in README.md; True when it changed."""
+def write(readme: Path = REFERENCE_DOC) -> bool:
+    """Refresh the block in the document; True when it changed."""
     text = readme.read_text()
     old = current(text)
     if old is None:
@@ -136,12 +136,12 @@ def write(readme: Path = README) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.engine.reference", description="Print README.md's configuration reference, generated from stages/engine/schema.py, "
+    ap = argparse.ArgumentParser(prog="python -m stages.engine.reference", description="Print docs/configuration.md's configuration reference, generated from stages/engine/schema.py, "
                                  "or refresh it there (--write).")
-    ap.add_argument("--write", action="store_true", help="refresh the block in README.md instead of printing it")
+    ap.add_argument("--write", action="store_true", help="refresh the block in docs/configuration.md instead of printing it")
     args = ap.parse_args(argv)
     if args.write:
-        print(f"{README.name}: configuration reference {'updated' if write() else 'already up to date'}")
+        print(f"{REFERENCE_DOC.relative_to(REFERENCE_DOC.parents[1])}: configuration reference {'updated' if write() else 'already up to date'}")
     else:
         sys.stdout.write(render() + "\n")
     return 0

@@ -1,5 +1,5 @@
 """The schema of pipeline.yaml: one pydantic model per section, mirroring the YAML one to one. Every field
-carries its description (the README's configuration reference is generated from it: `python -m
+carries its description (the configuration reference in docs/configuration.md is generated from it: `python -m
 stages.engine.reference`). Fields made with `runtime(...)` do not change outputs and stay out of cache keys.
 """
 

@@ -49,18 +49,19 @@ class StageStatus:
 # ---------------------------------------------------------------- diffs
 
 
-def _flatten(value: Any, prefix: str) -> dict[str, Any]:
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1e-4}} -> {'train.lr': 1e-4}; an empty mapping is a value."""
     if isinstance(value, dict) and value:
         out: dict[str, Any] = {}
         for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
     return {prefix: value}
 
 
 def changed_params(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Dotted config fields whose value differs: {'tokenize': {'max_length': 8}} vs 16 -> tokenize.max_length."""
-    a, b = _flatten(old, ""), _flatten(new, "")
+    a, b = flatten(old, ""), flatten(new, "")
     return sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
 
 
@@ -127,7 +128,7 @@ def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
         if isinstance(v, list) and v and isinstance(v[-1], dict):  # e.g. train's validation history
             v = v[-1]
         if isinstance(v, dict):
-            for k2, v2 in _flatten(v, k).items():
+            for k2, v2 in flatten(v, k).items():
                 flat[k2] = v2
         else:
             flat[k] = v

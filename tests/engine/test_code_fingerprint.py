@@ -183,7 +183,7 @@ def traced_graph(seen: dict[str, set[str]]) -> list:
 
 @contextmanager
 def without_flow_log_handlers() -> Iterator[None]:
-    """Detach the log handlers a flow module installs on the stage logger (importing flows.flow, as an earlier
+    """Detach the log handlers a flow module installs on the stage logger (a flow run, as an earlier
     test in this worker may have, adds Prefect's API handler with the `InPrefectRun` filter). Where a stage's
     log records go is set by whoever runs it, never part of what it computes; traced, it would show up as
     flows code run by every stage."""

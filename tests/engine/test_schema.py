@@ -1,5 +1,5 @@
-"""The schema is the one home of what a config field means: every field describes itself, and README.md's
-configuration reference is the schema rendered (stages/engine/reference.py)."""
+"""The schema is the one home of what a config field means: every field describes itself, and
+docs/configuration.md's configuration reference is the schema rendered (stages/engine/reference.py)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def test_every_field_of_every_section_has_a_description():
 
 
 def test_the_readme_reference_is_the_generated_one():
-    text = reference.README.read_text()
+    text = reference.REFERENCE_DOC.read_text()
     block = reference.current(text)
-    assert block is not None, f"README.md lacks the {reference.START} ... {reference.END} markers"
-    assert block == reference.render(), f"README.md's configuration reference is stale: run `{REFRESH}`"
+    assert block is not None, f"docs/configuration.md lacks the {reference.START} ... {reference.END} markers"
+    assert block == reference.render(), f"docs/configuration.md's configuration reference is stale: run `{REFRESH}`"
 
 
 def test_every_field_has_one_row_that_says_whether_it_is_in_the_key():

@@ -12,7 +12,7 @@ import helpers
 import pytest
 from helpers import computed, needs_shared_data
 
-from flows import summary
+from flows.reports import run_summary as summary
 from stages.engine.config import load_pipeline
 
 pytestmark = needs_shared_data

@@ -16,7 +16,7 @@ import time
 import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
 
-import flows  # noqa: F401  (project Prefect defaults)
+import flows.orchestration  # noqa: F401  (project Prefect defaults)
 from stages.engine.store import Store
 
 pytestmark = needs_shared_data
@@ -44,7 +44,7 @@ def task_states(flow_run_id) -> dict[str, str]:
 
 
 def test_second_flow_run_is_all_cached(prefect_server, store_dir):
-    from flows.flow import finetune
+    from flows.orchestration.finetune_flow import finetune
 
     first = finetune("tiny-imdb", SMALL, until="tokenize", return_state=True)
     assert first.is_completed()
@@ -68,7 +68,7 @@ def test_second_flow_run_is_all_cached(prefect_server, store_dir):
 
 
 def test_stage_error_fails_the_flow_with_one_line(prefect_server, store_dir, tmp_path):
-    from flows.flow import finetune
+    from flows.orchestration.finetune_flow import finetune
 
     state = finetune("tiny-imdb", {"data.source": "local", "data.path": str(tmp_path / "missing.csv")},
                      until="tokenize", return_state=True)
@@ -99,7 +99,7 @@ def flow_run_logs(flow_run_id) -> list:
 def test_stage_log_lines_reach_the_prefect_api(prefect_server, store_dir, monkeypatch):
     """The train stage's step lines, its progress lines (output is not a terminal here) and its final summary
     are task-run logs of the train task in the Prefect API (what the UI shows), not only console output."""
-    from flows.flow import finetune
+    from flows.orchestration.finetune_flow import finetune
 
     monkeypatch.setenv("FINETUNE_PROGRESS", "log")
     state = finetune("tiny-imdb", {**SMALL, "train.log_every": 1}, until="train", return_state=True)

@@ -210,7 +210,12 @@ def test_unreachable_server_is_one_line(tmp_path):
 
 def test_artifact_builders(tmp_path):
     """What the train / evaluate / export extras put in the UI, from a manifest and its folder."""
-    from flows.artifacts import evaluate_rows, export_rows, manifest_rows, train_loss_markdown
+    from flows.orchestration.ui_artifacts import (
+        evaluate_rows,
+        export_rows,
+        manifest_rows,
+        train_loss_markdown,
+    )
     from stages.engine.store import Outcome
 
     folder = tmp_path / "train" / ("a" * 64)

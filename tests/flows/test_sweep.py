@@ -14,12 +14,12 @@ from collections import Counter
 import pytest
 from helpers import ROOT, needs_shared_data
 
-import flows  # noqa: F401  (project Prefect defaults)
-from flows import compare
-from flows.diff import diff, render_diff
+import flows.orchestration  # noqa: F401  (project Prefect defaults)
 from flows.inspect import main as inspect_main
+from flows.reports import comparison as compare
+from flows.reports.config_diff import diff, render_diff
+from flows.reports.variants import adhoc_sweep, named_sweep, parse_grid
 from flows.sweep import main as sweep_main
-from flows.variants import adhoc, parse_grid, sweep
 from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
@@ -77,12 +77,12 @@ def computed_per_stage(store) -> Counter:
 
 
 def test_named_and_adhoc_sweeps_expand_to_validated_runs(config):
-    sw = sweep("lr-pair", config)
+    sw = named_sweep("lr-pair", config)
     assert [r.label for r in sw.runs] == ["lr=0.001", "lr=0.01"]
     assert [r.cfg.train.lr for r in sw.runs] == [1e-3, 1e-2]
     assert all(r.cfg.train.max_steps == 2 and r.cfg.data.subset == {"train": 16, "validation": 4, "test": 8}
                for r in sw.runs)
-    seeded = adhoc("tiny-imdb", ["train.lr=1e-3,5e-4"], ["train.max_steps=2"], seeds=[1, 2], config_file=config)
+    seeded = adhoc_sweep("tiny-imdb", ["train.lr=1e-3,5e-4"], ["train.max_steps=2"], seeds=[1, 2], config_file=config)
     assert [(r.variant, r.seed, r.cfg.train.seed) for r in seeded.runs] == [
         ("lr=0.001", 1, 1), ("lr=0.0005", 1, 1), ("lr=0.001", 2, 2), ("lr=0.0005", 2, 2)]
     assert parse_grid(["evaluate.splits=[test],[validation, test]"]) == {
@@ -122,7 +122,7 @@ def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
 @needs_shared_data
 def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server, config, store_dir):
     # no capsys in the tests that run flows: Prefect's log handler would keep its closed stream
-    from flows.sweep_flow import run_sweep
+    from flows.orchestration.sweep_flow import run_sweep
 
     state = run_sweep("lr-pair", parallel=1, config=str(config), return_state=True)
     assert state.is_completed(), state.message
@@ -136,7 +136,7 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
     assert chart.type == "markdown" and str(folder / "chart.png") in chart.data
 
     # what `compare --sweep lr-pair --json` prints (and the sweep wrote beside its chart)
-    report = json.loads(json.dumps(compare.compare(sweep("lr-pair", config), Store(store_dir)).to_json(), default=str))
+    report = json.loads(json.dumps(compare.compare(named_sweep("lr-pair", config), Store(store_dir)).to_json(), default=str))
     assert json.loads((folder / "comparison.json").read_text()) == report
     assert report["metric"] == "test.accuracy" and len(report["variants"]) == 2
     by = {v["params"]["train.lr"]: v for v in report["variants"]}
@@ -167,7 +167,7 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
 
 @needs_shared_data
 def test_parallel_children_share_stages_through_the_store_lock(prefect_server, config, store_dir):
-    from flows.sweep_flow import run_sweep
+    from flows.orchestration.sweep_flow import run_sweep
 
     assert run_sweep("lr-pair", parallel=2, config=str(config), return_state=True).is_completed()
     counts = computed_per_stage(store_dir)
@@ -179,7 +179,7 @@ def test_parallel_children_share_stages_through_the_store_lock(prefect_server, c
     assert len(times) == 2
     first, second = sorted(times.values())
     assert second[0] < first[-1]
-    c = compare.compare(sweep("lr-pair", config), Store(store_dir))
+    c = compare.compare(named_sweep("lr-pair", config), Store(store_dir))
     assert all(v.status() == "done" for v in c.variants)
 
 
@@ -187,7 +187,7 @@ def test_parallel_children_share_stages_through_the_store_lock(prefect_server, c
 def test_compare_lists_runs_not_yet_run_and_stale_results(config, store_dir, capsys):
     """One of two variants run (plain runner, no Prefect): it is `done`, the other `not run`; once its
     evaluate artifact exists only under another key (as after a code change), its results show as `stale`."""
-    sw = adhoc("tiny-imdb", ["train.lr=1e-3,1e-2"], ["data.subset={train: 16, validation: 4, test: 8}",
+    sw = adhoc_sweep("tiny-imdb", ["train.lr=1e-3,1e-2"], ["data.subset={train: 16, validation: 4, test: 8}",
                                                      "train.max_steps=2"], config_file=config)
     outcomes = {o.stage: o for o in run_pipeline(sw.runs[0].cfg, Store(store_dir), until="evaluate")}
     args = ["compare", "tiny-imdb", "--grid", "train.lr=1e-3,1e-2", "--set",
@@ -224,20 +224,20 @@ def test_compare_lists_runs_not_yet_run_and_stale_results(config, store_dir, cap
 
 
 def test_serve_builds_a_sweep_deployment_per_named_sweep():
-    from flows.serve import deployments
+    from flows.orchestration.serving import deployments
 
     deps = {(d.flow_name, d.name): d for d in deployments(["accumulation", "tiny-imdb"])}
     assert set(deps) == {("sweep", "accumulation"), ("finetune", "tiny-imdb")}
     assert deps["sweep", "accumulation"].parameters == {"name": "accumulation"}
-    assert deps["sweep", "accumulation"].entrypoint == "flows.sweep_flow.run_sweep"
+    assert deps["sweep", "accumulation"].entrypoint == "flows.orchestration.sweep_flow.run_sweep"
 
 
 def test_a_mapping_valued_variant_names_its_task_run_as_given():
     """Prefect formats a task-run name with the task's parameters: a label with a mapping's braces failed
     every child with KeyError 'train' before they were doubled."""
-    from flows.sweep_flow import literal_name
+    from flows.orchestration.compat_prefect import literal_task_run_name
 
     label = "subset={train:4096,validation:64,test:1000}"
     with pytest.raises(KeyError):
         label.format(sweep_name="imdb-90")
-    assert literal_name(label).format(sweep_name="imdb-90") == label
+    assert literal_task_run_name(label).format(sweep_name="imdb-90") == label

@@ -181,7 +181,7 @@ def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_
 
 @needs_shared_data
 def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_shows_them(store_dir):
-    from flows.summary import render, stage_rows
+    from flows.reports.run_summary import render, stage_rows
     from stages.engine.config import load_pipeline
     from stages.engine.remote_store import open_store
 

@@ -1,17 +1,17 @@
 """Two pipeline configs side by side (no Prefect, no tensors): which stages they share and which differ and
 why (`changed params: train.lr`, `changed upstream: train`), param by param and metric by metric from the
-store, the way `dvc params diff` / `dvc metrics diff` read. `python -m flows.inspect diff A B`.
+store, the way `dvc params diff` / `dvc metrics diff` read. `finetune inspect diff A B`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flows.compare import Finder, artifacts, evaluate_metrics
-from flows.variants import fmt
+from flows.reports.comparison import Finder, artifacts, evaluate_metrics
+from flows.reports.formatting import label
 from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import changed_params, why_changed
+from stages.engine.status import changed_params, flatten, why_changed
 from stages.engine.store import StageKey, Store
 from stages.graph import plan
 
@@ -25,7 +25,7 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> di
         why = [] if ka.key == kb.key else why_changed({**ka.key_inputs(), "code_objects": list(ka.code_objects)}, kb)
         stages.append({"stage": name, "shared": ka.key == kb.key, "a": ka.key, "b": kb.key, "why": why,
                        "a_in_store": not store.problems(name, ka.key), "b_in_store": not store.problems(name, kb.key)})
-    da, db = _flatten(_sections(a)), _flatten(_sections(b))
+    da, db = flatten(_sections(a)), flatten(_sections(b))
     params = [{"param": k, "a": da.get(k), "b": db.get(k)} for k in changed_params(_sections(a), _sections(b))]
     finder = Finder(store)
     ma, mb = _stored_metrics(pa, store, finder), _stored_metrics(pb, store, finder)
@@ -42,16 +42,6 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store | RemoteStore) -> di
 
 def _sections(cfg: PipelineConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"name", "description", "extends", "overrides"})
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _stored_metrics(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) \
@@ -79,11 +69,11 @@ def render_diff(d: dict[str, Any]) -> str:
         lines.append(f"  {s['stage']:<9} {state}")
         lines += [f"              {w}" for w in s["why"]]
     lines += ["", "params:" if d["params"] else "params: identical"]
-    lines += [f"  {p['param']:<40} {fmt(p['a']):>14} -> {fmt(p['b'])}" for p in d["params"]]
+    lines += [f"  {p['param']:<40} {label(p['a']):>14} -> {label(p['b'])}" for p in d["params"]]
     lines += ["", "metrics (from the store; - = not run, * = stale: made by earlier code):" if d["metrics"]
               else "metrics: none in the store"]
     for m in d["metrics"]:
-        va, vb = ("-" if v is None else fmt(v) + ("*" if stale else "")
+        va, vb = ("-" if v is None else label(v) + ("*" if stale else "")
                   for v, stale in ((m["a"], m["a_stale"]), (m["b"], m["b_stale"])))
         change = f"  ({m['change']:+.4g})" if m["change"] is not None else ""
         lines.append(f"  {m['metric']:<40} {va:>14} -> {vb}{change}")

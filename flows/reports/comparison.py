@@ -4,7 +4,7 @@ compare: one row per variant — the parameters that differ, the evaluation metr
 train time, real tokens/s, footprint, trainable parameters, the stages it shares with other runs of the
 sweep — ranked by the sweep's metric; variants not yet run are listed as such. A run whose artifacts exist
 only for an earlier code or library version (same parameters all the way up) is shown with those results,
-marked `stale`. flows/sweep_report.py writes it into the sweep's folder of the store, with a chart.
+marked `stale`. flows/reports/sweep_outputs.py writes it into the sweep's folder of the store, with a chart.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from flows.variants import Run, Sweep, fmt, short_names
+from flows.reports.formatting import label
+from flows.reports.variants import Run, Sweep, short_names
 from stages.engine.remote_store import RemoteStore
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import changed_params
+from stages.engine.status import changed_params, flatten
 from stages.engine.store import StageKey, Store
 from stages.engine.units import human_bytes
 from stages.graph import plan
@@ -138,22 +139,15 @@ class Finder:
         inputs = m.get("key_inputs") or {}
         old = inputs.get("params") or {}
         # a field added to the schema since (absent from the old key) is taken to have kept its default's behaviour
-        if any(_present(old, k) for k in changed_params(old, planned[stage].params)):
+        old_fields = flatten(old)
+        changed = changed_params(old, planned[stage].params)
+        if any(f == c or f.startswith(c + ".") for c in changed for f in old_fields):
             return False
         for up, up_key in (inputs.get("upstream") or {}).items():
             um = self.store.read_manifest(up, up_key)
             if up not in planned or um is None or not self._same_params(up, up_key, um, planned):
                 return False
         return True
-
-
-def _present(params: dict[str, Any], dotted: str, prefix: str = "") -> bool:
-    """Whether a key's params (reads -> values, e.g. {"train": {...}, "model.task": ...}) hold `dotted`."""
-    for k, v in params.items():
-        key = f"{prefix}{k}"
-        if key == dotted or (isinstance(v, dict) and dotted.startswith(key + ".") and _present(v, dotted, key + ".")):
-            return True
-    return False
 
 
 def artifacts(planned: dict[str, StageKey], store: Store | RemoteStore, finder: Finder) -> dict[str, tuple[str, dict]]:
@@ -254,7 +248,7 @@ def table_rows(c: Comparison) -> list[dict[str, Any]]:
     for v in c.variants:
         gap = c.paired_gap(v)
         pct = is_share(m)
-        row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: fmt(val) for k, val in v.params.items()},
+        row: dict[str, Any] = {"rank": v.rank or "-", **{names[k]: label(val) for k, val in v.params.items()},
                                "seeds": f"{len(v.values())}/{len(v.runs)}" if c.sweep.config.seeds else
                                len(v.values()),
                                m: pm(v.mean(), v.sd(), pct)}

@@ -1,10 +1,10 @@
-"""The `sweep` flow: one child flow run of `finetune` (flows/flow.py) per variant and seed, all through the same
+"""The `sweep` flow: one child flow run of `finetune` (flows/orchestration/finetune_flow.py) per variant and seed, all through the same
 store, at most `parallel` at once. Each child runs in its own process (`run_flow_in_subprocess`): training
 seeds torch's process-wide RNG, so two trainings must never share a process. A stage whose key two runs share
 (data, tokenize, model, adapters when only train.* varies) is computed by the first and a store hit for the
 others; the store's per-key lock makes a second run wait for the first rather than compute it again.
 
-When the runs are done the flow publishes the comparison (flows/compare.py) as a table artifact `sweep-<name>`
+When the runs are done the flow publishes the comparison (flows/reports/comparison.py) as a table artifact `sweep-<name>`
 and a chart (metric per variant, loss curves overlaid) as a PNG in the sweep's folder of the store, linked from
 the markdown artifact `sweep-<name>-chart`.
 """
@@ -20,15 +20,16 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.context import TaskRunContext
-from prefect.exceptions import ObjectNotFound
 from prefect.flow_engine import run_flow_in_subprocess
 from prefect.futures import wait
 from prefect.states import Failed, State
 
-from flows import compare, sweep_report
-from flows.artifacts import artifact_key
-from flows.flow import finetune
-from flows.variants import Run, Sweep, from_spec, sweep
+from flows.orchestration.compat_prefect import literal_task_run_name, wait_for_task_run
+from flows.orchestration.finetune_flow import finetune, user_error
+from flows.orchestration.stage_logs import route_logs
+from flows.orchestration.ui_artifacts import artifact_key
+from flows.reports import comparison, sweep_outputs
+from flows.reports.variants import Run, Sweep, from_spec, named_sweep
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
@@ -73,7 +74,7 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         return _outcome(run, fr.name, fr.state, None)
     parent = TaskRunContext.get().task_run.id
     with get_client(sync_client=True) as client:
-        _wait_for_task_run(client, parent)
+        wait_for_task_run(client, parent)
         child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
                                        parent_task_run_id=parent,
                                        tags=["sweep", sweep_name])
@@ -100,20 +101,6 @@ def _outcome(run: Run, flow_run: str, state: State | None, exitcode: int | None)
     raise ChildRunFailed(f"{state.name}: {state.message}")
 
 
-def _wait_for_task_run(client: Any, task_run_id: Any, timeout_s: float = 60) -> None:
-    """The API records a task run from its events, a moment after the task starts; a child flow run linked
-    to it before then is refused (foreign key)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.read_task_run(task_run_id)
-            return
-        except ObjectNotFound:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 @flow(name="sweep", log_prints=True)
 def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dict[str, Any] | None = None,
               on_workers: bool = False) -> list[dict[str, Any]] | State:
@@ -121,11 +108,12 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     mapping: pipeline, grid or variants, set, seeds, metric, mode), at most `parallel` child runs at once.
     on_workers: each child is a run of the `finetune/<pipeline>` deployment (a work pool spreads them over
     its workers) instead of a process beside this flow."""
+    route_logs()
     config = config or str(DEFAULT_PIPELINE_FILE)
     try:
-        sw = from_spec(name, spec, config) if spec else sweep(name, config)
+        sw = from_spec(name, spec, config) if spec else named_sweep(name, config)
     except FinetuneError as e:
-        return Failed(message=f"{type(e).__name__}: {e}", data=e)
+        return user_error(e)
     with get_client(sync_client=True) as client:
         api_url = str(client.api_url)
     print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
@@ -141,19 +129,13 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     return results
 
 
-def literal_name(label: str) -> str:
-    """A task-run name Prefect shows as given: it formats names with the task's parameters, so the braces of
-    a mapping-valued variant (`subset={train:4096}`) are doubled."""
-    return label.replace("{", "{{").replace("}", "}}")
-
-
 def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
     """Keep `parallel` child runs going until every run has finished: (their summaries, the failures)."""
     pending, active, results, failed = list(sw.runs), {}, [], []
     while pending or active:
         while pending and len(active) < max(1, parallel):
             run = pending.pop(0)
-            child = run_child.with_options(task_run_name=literal_name(run.label))
+            child = run_child.with_options(task_run_name=literal_task_run_name(run.label))
             active[child.submit(sw.name, run, config, api_url, on_workers)] = run
         finished: set = set()
         while not finished:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
@@ -172,12 +154,12 @@ def publish(sw: Sweep) -> None:
     a failure here is a warning, never a failed sweep."""
     key = artifact_key("sweep", sw.name)
     try:
-        comparison = compare.compare(sw, open_store())
-        create_table_artifact(table=compare.table_rows(comparison), key=key,
+        result = comparison.compare(sw, open_store())
+        create_table_artifact(table=comparison.table_rows(result), key=key,
                               description=f"sweep {sw.name}: {sw.config.description or sw.config.pipeline}, "
                               f"ranked by {sw.config.metric} ({sw.config.mode})")
-        files = sweep_report.write_outputs(comparison, open_store())
-        create_markdown_artifact(markdown=sweep_report.chart_markdown(comparison, files), key=f"{key}-chart",
+        files = sweep_outputs.write_outputs(result, open_store())
+        create_markdown_artifact(markdown=sweep_outputs.chart_markdown(result, files), key=f"{key}-chart",
                                  description=f"sweep {sw.name}: {sw.config.metric} per variant, loss curves")
     except Exception as e:  # noqa: BLE001
         log.warning("sweep %s: comparison artifacts not published: %s", sw.name, e)

@@ -4,11 +4,12 @@ and every run's training loss overlaid. The sweep flow links the chart from a ma
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
-from flows.compare import Comparison, is_share, pm, render, runs_csv
+from flows.reports.comparison import Comparison, is_share, pm, render, runs_csv
+from flows.reports.formatting import inline_png
+from flows.reports.train_history import read_history, train_losses
 from stages.engine.remote_store import RemoteStore
 from stages.engine.store import Store
 
@@ -31,20 +32,6 @@ def write_outputs(c: Comparison, store: Store | RemoteStore) -> dict[str, Path]:
     return files
 
 
-def loss_curve(folder: Path) -> list[tuple[int, float]]:
-    path = folder / "metrics.jsonl"
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind", "train") == "train" and isinstance(rec.get("loss"), int | float):
-                out.append((rec["step"], rec["loss"]))
-    return out
-
-
 def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
     """Left: the metric per variant (mean, sd bar, one dot per seed). Right: every run's training loss."""
     import matplotlib
@@ -65,7 +52,8 @@ def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
                          textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         for r in v.runs:
             if "train" in r.keys:
-                curve = loss_curve(store.artifact_dir("train", r.keys["train"]))
+                curve = [(p["step"], p["loss"]) for p in
+                         train_losses(read_history(store.artifact_dir("train", r.keys["train"])))]
                 if curve:
                     ax2.plot(*zip(*curve, strict=True), color=color, alpha=0.7, linewidth=1,
                              label=v.variant if r is v.runs[0] else None)
@@ -89,8 +77,6 @@ def plot(c: Comparison, store: Store | RemoteStore, out: Path) -> None:
 def chart_markdown(c: Comparison, files: dict[str, Path]) -> str:
     png = files["chart"]
     lines = [f"### sweep {c.sweep.name}", "", render(c), ""]
-    if png.is_file() and png.stat().st_size < 300_000:
-        lines += [f"![{c.sweep.config.metric} per variant, loss curves]"
-                  f"(data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
+    lines += inline_png(png, f"{c.sweep.config.metric} per variant, loss curves")
     lines += [f"chart: `{png}`", f"table: `{files['table']}` · runs: `{files['csv']}` · `{files['json']}`"]
     return "\n".join(lines)

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from flows.reports.formatting import inline_png, number
+from flows.reports.train_history import read_history, train_losses
 from stages.engine.store import Outcome
 
 
@@ -63,38 +63,21 @@ def manifest_rows(o: Outcome) -> list[dict[str, Any]]:
     return rows
 
 
-def _loss_history(folder: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl of a train artifact: train records (step, loss) and validation records (val_loss)."""
-    path = folder / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
-
-
 def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
     """The loss curve (loss.png, inlined) and the loss history as a table, thinned to max_rows."""
-    history = _loss_history(o.path)
-    train = [r for r in history if r.get("kind", "train") == "train" and isinstance(r.get("loss"), int | float)]
+    history = read_history(o.path)
+    train = train_losses(history)
     val = {r["step"]: r for r in history if r.get("kind") == "validation"}
     metrics = o.manifest.get("metrics") or {}
     if not train and not val and "final_loss" not in metrics:
         return None
     lines = [f"### {o.stage} loss ({'computed' if o.computed else 'cached'}, key `{o.key[:12]}`)", ""]
-    facts = [f"{k} = {_fmt(metrics[k])}" for k in ("steps", "first_loss", "final_loss", "effective_batch",
+    facts = [f"{k} = {number(metrics[k])}" for k in ("steps", "first_loss", "final_loss", "effective_batch",
                                                     "tokens_per_s") if k in metrics]
     if facts:
         lines += [" · ".join(facts), ""]
     png = o.path / "loss.png"
-    if png.is_file() and png.stat().st_size < 300_000:
-        lines += [f"![loss curve](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})", ""]
+    lines += inline_png(png, "loss curve")
     if png.is_file():
         lines += [f"curve: `{png}`", ""]
     if train:
@@ -103,8 +86,8 @@ def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
         lines += ["| step | loss | validation loss | validation accuracy |", "|---:|---:|---:|---:|"]
         for r in shown:
             v = val.get(r["step"], {})
-            lines.append(f"| {r['step']} | {_fmt(r['loss'])} | {_fmt(v.get('val_loss', ''))} | "
-                         f"{_fmt(v.get('val_accuracy', ''))} |")
+            lines.append(f"| {r['step']} | {number(r['loss'])} | {number(v.get('val_loss', ''))} | "
+                         f"{number(v.get('val_accuracy', ''))} |")
     return "\n".join(lines)
 
 
@@ -139,6 +122,3 @@ def export_rows(o: Outcome) -> list[dict[str, Any]]:
     return [{"path": str(o.path / top), "files": len(sizes), "size_bytes": sum(sizes)}
             for top, sizes in sorted(groups.items())]
 
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)

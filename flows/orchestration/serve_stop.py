@@ -1,4 +1,4 @@
-"""How `python -m flows.serve` serves and stops: Ctrl-C (SIGINT) and SIGTERM the same way, within seconds.
+"""How `finetune serve` (`python -m flows.serve`) serves and stops: Ctrl-C (SIGINT) and SIGTERM the same way, within seconds.
 
 Why it used to hang (issue 15): a process started in the background of a non-interactive shell (a CI job,
 a script's `cmd &`, an agent's shell) inherits SIGINT *ignored*, and Python then installs no
@@ -21,6 +21,13 @@ import signal
 import threading
 from typing import Any
 
+from flows.orchestration.compat_prefect import (
+    runner_is_serving,
+    runner_processes,
+    runner_with_sigterm_handler,
+    stop_runner_in_background,
+)
+
 STOP_WITHIN_S = 6.0  # the graceful stop's deadline: flows.serve is gone within ~7 s of the signal, loaded or not
 
 
@@ -41,9 +48,9 @@ class Stopper:
     def __call__(self, signum: int, frame: object) -> None:
         self.signals += 1
         runner = self.runner
-        if runner is None or not getattr(runner, "started", False) or getattr(runner, "_loop", None) is None:
+        if not runner_is_serving(runner):
             raise KeyboardInterrupt  # not serving yet (registering deployments): nothing to stop gracefully
-        self.caught.update(in_flight(runner))
+        self.caught.update(runner_processes(runner))
         if self.signals > 1:
             self.force("a second signal")
             return
@@ -53,13 +60,12 @@ class Stopper:
                                                                       f"{STOP_WITHIN_S:.0f} s",))
         self.timer.daemon = True
         self.timer.start()
-        runner.stopping = True
-        runner.execute_in_background(runner.astop)
+        stop_runner_in_background(runner)
 
     def settle(self) -> int:
         """Kill the flow-run processes still alive (those in progress at the signal and those the runner
         still tracks) and mark each run Crashed unless it reached a final state. How many were marked."""
-        runs = {**self.caught, **dict(in_flight(self.runner))}
+        runs = {**self.caught, **dict(runner_processes(self.runner))}
         for pid in runs.values():
             kill_tree(pid)
         return sum(mark_crashed(self.api_url, flow_run_id) for flow_run_id in runs)
@@ -69,18 +75,6 @@ class Stopper:
         marked = self.settle()
         print(f"flows.serve: stopped ({why}; {marked} run(s) left running marked Crashed)", flush=True)
         os._exit(0)
-
-
-def in_flight(runner: Any) -> list[tuple[str, int]]:
-    """(flow run id, pid) of the runner's flow-run processes still tracked (alive or not yet reaped)."""
-    manager = getattr(runner, "_process_manager", None)
-    out = []
-    with contextlib.suppress(Exception):
-        for flow_run_id in manager.flow_run_ids():
-            handle = manager.get(flow_run_id)
-            if handle is not None and handle.pid:
-                out.append((str(flow_run_id), handle.pid))
-    return out
 
 
 def kill_tree(pid: int) -> None:
@@ -115,15 +109,9 @@ def mark_crashed(api_url: str | None, flow_run_id: str) -> bool:
 
 def serve_until_stopped(deployments: list[Any], limit: int, api_url: str) -> None:
     """prefect.serve's runner, stopped by a Stopper; returns once serving has stopped."""
-    from prefect.runner import Runner
-
     stopper = Stopper(api_url)
-
-    class ServeRunner(Runner):
-        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:  # Runner.start installs this for SIGTERM
-            stopper(signal.SIGTERM, None)
-
-    runner = ServeRunner(limit=limit, pause_on_shutdown=True)
+    runner = runner_with_sigterm_handler(lambda: stopper(signal.SIGTERM, None), limit=limit,
+                                         pause_on_shutdown=True)
     for d in deployments:
         runner.add_deployment(d)
     stopper.runner = runner

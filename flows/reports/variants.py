@@ -2,27 +2,32 @@
 into one run per variant and seed, each a base pipeline plus {dotted.key: value} overrides. Every run's config
 is validated here, before anything runs (no Prefect, no tensors).
 
-    sweep(NAME)                                      the named sweep
-    adhoc(PIPELINE, ["train.lr=1e-4,5e-4"], ...)     the ad-hoc one `--grid train.lr=1e-4,5e-4` describes
+    named_sweep(NAME)                                      the named sweep
+    adhoc_sweep(PIPELINE, ["train.lr=1e-4,5e-4"], ...)     the ad-hoc one `--grid train.lr=1e-4,5e-4` describes
+    from_args(args, TARGET)                                either, from the options add_sweep_args defines
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from flows.reports.formatting import label
 from stages.engine.config import (
     DEFAULT_PIPELINE_FILE,
     load_pipeline,
     load_sweep,
     parse_override,
+    pipeline_names,
     read_yaml,
+    sweep_names,
     validate_sweep,
+    yaml_number,
 )
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
@@ -58,15 +63,6 @@ class Sweep:
         return list(dict.fromkeys(r.variant for r in self.runs))
 
 
-def fmt(value: Any) -> str:
-    """A value as it reads in a label or a table: 0.0001, 16, [test], {train: 64}."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":")).replace('"', "")
-    return str(value)
-
-
 def short_names(keys: list[str]) -> dict[str, str]:
     """Dotted keys by their last part where that is unambiguous: train.lr -> lr."""
     last = [k.rsplit(".", 1)[-1] for k in keys]
@@ -89,7 +85,7 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
     names = short_names(keys)
     labels: dict[str, int] = {}
     for p in params:
-        variant = " ".join(f"{names[k]}={fmt(p[k])}" for k in keys if k in p) or cfg.pipeline
+        variant = " ".join(f"{names[k]}={label(p[k])}" for k in keys if k in p) or cfg.pipeline
         if variant in labels:
             raise ConfigError(f"sweeps.{cfg.name}: variants {labels[variant] + 1} and {len(labels) + 1} are the same "
                               f"({variant}); remove one")
@@ -106,7 +102,7 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
     return Sweep(cfg, runs, Path(config_file))
 
 
-def sweep(name: str, config_file: Path | str = DEFAULT_PIPELINE_FILE) -> Sweep:
+def named_sweep(name: str, config_file: Path | str = DEFAULT_PIPELINE_FILE) -> Sweep:
     return expand(load_sweep(name, config_file), config_file)
 
 
@@ -123,21 +119,11 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
         except yaml.YAMLError as e:
             raise ConfigError(f"--grid {item}: values are not valid YAML ({getattr(e, 'problem', e)}); quote them") \
                 from None
-        grid[key.strip()] = [_number(v) for v in values]
+        grid[key.strip()] = yaml_number(values)
     return grid
 
 
-def _number(value: Any) -> Any:
-    # YAML 1.1 reads 5e-5 as a string; people mean a number (as --set does)
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value for c in "eE.") else value
-        except ValueError:
-            return value
-    return value
-
-
-def adhoc(pipeline: str, grid: list[str], sets: list[str] | None = None, seeds: list[int] | None = None,
+def adhoc_sweep(pipeline: str, grid: list[str], sets: list[str] | None = None, seeds: list[int] | None = None,
           metric: str | None = None, mode: str | None = None, name: str | None = None,
           config_file: Path | str = DEFAULT_PIPELINE_FILE) -> Sweep:
     """The sweep `PIPELINE --grid ... [--set ...] [--seeds ...]` describes; its name (folder, UI key) is the
@@ -167,3 +153,48 @@ def spec(s: Sweep) -> dict[str, Any]:
     """An ad-hoc sweep's definition as the sweep flow's `spec` parameter (JSON)."""
     return s.config.model_dump(mode="json", exclude={"name"})
 
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """The options that define an ad-hoc sweep (`finetune sweep`, `finetune inspect compare`)."""
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a dotted key and its values (repeatable; the product is taken), e.g. --grid train.lr=1e-4,5e-4")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every variant of an ad-hoc sweep (repeatable)")
+    p.add_argument("--seeds", type=_seeds, default=None, metavar="S1,S2", help="repeat each variant per seed "
+                   "(train.seed)")
+    p.add_argument("--metric", help="SPLIT.METRIC that ranks variants (default test.accuracy)")
+    p.add_argument("--mode", choices=["max", "min"], help="max (default) or min")
+    p.add_argument("--name", help="an ad-hoc sweep's name (its folder and UI key); default PIPELINE-<hash>")
+    p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: write integers separated by commas, e.g. 1,2,3") from None
+
+
+def from_args(args: argparse.Namespace, target: str) -> Sweep:
+    """A named sweep, or (with --grid/--seeds) an ad-hoc sweep of the pipeline `target`."""
+    if args.grid or args.seeds:
+        return adhoc_sweep(target, args.grid, args.overrides, args.seeds, args.metric, args.mode, args.name,
+                           args.config)
+    extra = [o for o, v in (("--set", args.overrides), ("--metric", args.metric), ("--mode", args.mode),
+                            ("--name", args.name)) if v]
+    if extra:
+        raise ConfigError(f"{', '.join(extra)}: only for an ad-hoc sweep (PIPELINE --grid ...); a named sweep "
+                          f"takes its settings from pipeline.yaml")
+    if target in pipeline_names(args.config) and target not in sweep_names(args.config):
+        raise ConfigError(f"{target} is a pipeline, not a sweep: give --grid KEY=V1,V2 to sweep it, or a sweep "
+                          f"name ({', '.join(sweep_names(args.config)) or 'none defined under sweeps:'})")
+    return named_sweep(target, args.config)
+
+
+def adhoc_args(args: argparse.Namespace, pipeline: str) -> list[str]:
+    """The command-line options of an ad-hoc sweep, to repeat them (`finetune inspect compare PIPELINE ...`)."""
+    return [pipeline, *(a for g in args.grid for a in ("--grid", g)),
+            *(a for o in args.overrides for a in ("--set", o)),
+            *(["--seeds", ",".join(map(str, args.seeds))] if args.seeds else []),
+            *(["--metric", args.metric] if args.metric else []), *(["--mode", args.mode] if args.mode else [])]

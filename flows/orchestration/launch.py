@@ -1,0 +1,84 @@
+"""The command lines that start a flow in this process: `finetune run` (the `finetune` flow) and `finetune
+sweep` (the `sweep` flow). The config is validated before Prefect is imported, so bad input costs a second,
+prints one line, exits 2 and writes nothing.
+
+    finetune run PIPELINE [--set train.lr=1e-4] [--only STAGE] [--until STAGE] [--force STAGE] [--verify]
+    finetune sweep NAME [--parallel N]                       a sweep of pipeline.yaml's `sweeps:`
+    finetune sweep PIPELINE --grid train.lr=1e-4,5e-4 [--grid KEY=V1,V2 ...] [--set KEY=VALUE ...]
+                            [--seeds 1,2,3] [--metric test.accuracy] [--mode max] [--parallel N]
+
+A sweep runs one child `finetune` flow run per variant and seed through the same store: stages whose key the
+variants share (data, tokenize, model, adapters when only train.* varies) are computed once; then it prints
+the command that compares them. Exit 1 when a run of the sweep failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+
+from flows.reports.variants import add_sweep_args, adhoc_args, from_args, spec
+from stages.engine.cli import guarded, parser, setup_logging
+from stages.engine.config import store_root
+from stages.engine.errors import ConfigError
+from stages.graph import load_args, plan
+
+
+def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
+             prog: str = "python -m flows.finetune") -> int:
+    args = parser(prog, default_pipeline).parse_args(argv)
+
+    def go() -> int:
+        plan(load_args(args))  # config and input files checked before Prefect starts
+        # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
+        from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
+        from flows.orchestration.signals import stop_cleanly_on_signals
+
+        stop_cleanly_on_signals()
+        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
+                         str(args.config), return_state=True)
+        if state.is_failed():
+            print(f"error: {state.message}", file=sys.stderr)
+            return 2
+        print(f"store: {store_root()}")
+        return 0
+
+    return guarded(go)
+
+
+def sweep_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a sweep of pipeline variants through the "
+                                "content-addressed store; shared stages are computed once.")
+    p.add_argument("target", metavar="NAME|PIPELINE", help="a sweep of pipeline.yaml (sweeps:), or with --grid "
+                   "a pipeline to sweep ad hoc")
+    add_sweep_args(p)
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="child runs at once (default 1); each "
+                   "runs in its own process")
+    return p
+
+
+def sweep_main(argv: list[str] | None = None, prog: str = "python -m flows.sweep") -> int:
+    args = sweep_parser(prog).parse_args(argv)
+
+    def go() -> int:
+        if args.parallel < 1:
+            raise ConfigError(f"--parallel {args.parallel}: must be >= 1")
+        sw = from_args(args, args.target)  # every run's config validated before Prefect starts
+        setup_logging()
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call otherwise
+        from flows.orchestration.signals import stop_cleanly_on_signals
+        from flows.orchestration.sweep_flow import run_sweep  # imports Prefect: the sweep is good
+
+        stop_cleanly_on_signals()
+        named = not (args.grid or args.seeds)
+        state = run_sweep(sw.name, args.parallel, str(args.config), None if named else spec(sw), return_state=True)
+        print(f"store: {store_root()}\ncompare: python -m flows.inspect compare "
+              + (f"--sweep {sw.name}" if named else shlex.join(adhoc_args(args, sw.config.pipeline))))
+        if state.is_failed():
+            print(f"error: {state.message}", file=sys.stderr)
+            return 1
+        return 0
+
+    return guarded(go)

@@ -1,0 +1,208 @@
+"""`finetune inspect` (`python -m flows.inspect`): the artifact store read without running anything (Prefect
+is not imported, no stage runs).
+
+    finetune inspect status PIPELINE [--set train.lr=1e-4] [--json]
+    finetune inspect show PIPELINE STAGE       the stage's manifest (JSON)
+    finetune inspect path PIPELINE STAGE       the stage's artifact folder
+    finetune inspect gc [--force] [--keep-refs] [--json]
+    finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
+    finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
+
+`status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
+config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
+Exit codes: status 0 when every stage is cached, 1 when one is stale or missing; show/path 1 when the
+stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the artifacts no pipeline's
+current keys reach (dry run) and removes them with --force. `compare` ranks a sweep's variants from the
+store (flows/reports/comparison.py; exit 1 while a run has no results for the current code); `diff` says which stages
+two configs share, which differ and why, and their params and metrics side by side (exit 1 when a stage
+differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flows.reports import comparison, config_diff
+from flows.reports.formatting import local_time, number, render_table
+from flows.reports.variants import add_sweep_args, from_args
+from stages.common.fit import estimate_pipeline, format_estimate
+from stages.common.memory import free_memory
+from stages.engine.cli import guarded
+from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.errors import ConfigError
+from stages.engine.remote_store import open_store
+from stages.engine.schema import PipelineConfig
+from stages.engine.status import CACHED, MISSING, StageStatus, find
+from stages.engine.store import Store
+from stages.engine.units import human_bytes
+from stages.graph import gc, pipeline_status
+
+
+def render_status(pipeline: str, store: Store, statuses: list[StageStatus]) -> str:
+    rows = [["stage", "status", "key", "size", "created", "metrics"]]
+    notes: dict[int, list[str]] = {}
+    for s in statuses:
+        key = s.key[:12] if s.status != "stale" else f"{s.key[:12]} (have {(s.artifact_key or '')[:12]})"
+        metrics = " ".join(f"{k}={number(v)}" for k, v in s.metrics.items())
+        rows.append([s.stage, s.status, key, human_bytes(s.size_bytes), local_time(s.created), metrics])
+        if s.reasons and s.status != CACHED:
+            notes[len(rows) - 1] = s.reasons
+    table = render_table(rows).splitlines()
+    out = [f"pipeline {pipeline}   store {store}", table[0]]
+    for i, line in enumerate(table[1:], start=1):
+        out.append(line)
+        out.extend(f"    {reason}" for reason in notes.get(i, []))
+    stale = sum(s.status != CACHED for s in statuses)
+    out.append(f"{len(statuses) - stale} of {len(statuses)} stages cached" +
+               (f"; {stale} would run" if stale else "; nothing to run"))
+    return "\n".join(out)
+
+
+def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Inspect the artifact store of "
+                                "pipeline.yaml's pipelines without running anything.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def pipeline_args(sp: argparse.ArgumentParser, stage: bool) -> None:
+        sp.add_argument("pipeline", help="a pipeline name from pipeline.yaml")
+        if stage:
+            sp.add_argument("stage", help="a stage name (data, tokenize, model, adapters, train, ...)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="the config override the run used, e.g. --set train.lr=1e-4 (repeatable)")
+        sp.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+
+    st = sub.add_parser("status", help="each stage: key, cached/stale/missing and why, size, created, metrics")
+    pipeline_args(st, stage=False)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    sh = sub.add_parser("show", help="print a stage's manifest")
+    pipeline_args(sh, stage=True)
+    pa = sub.add_parser("path", help="print a stage's artifact folder")
+    pipeline_args(pa, stage=True)
+    g = sub.add_parser("gc", help="artifacts that no pipeline's current keys reach (dry run unless --force)")
+    g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
+    g.add_argument("--keep-refs", action="store_true", help="also keep what each pipeline last ran "
+                   "(refs/, e.g. runs with overrides)")
+    g.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    g.add_argument("--json", action="store_true", help="machine-readable output")
+    me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
+                        "(no weights are loaded)")
+    pipeline_args(me, stage=False)
+    co = sub.add_parser("compare", help="a sweep's variants side by side, ranked by its metric (`--sweep NAME`, "
+                        "or PIPELINE --grid ...)")
+    co.add_argument("pipeline", nargs="?", help="an ad-hoc sweep's pipeline (with --grid)")
+    co.add_argument("--sweep", help="a sweep of pipeline.yaml (sweeps:)")
+    add_sweep_args(co)
+    fmt = co.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="machine-readable output (variants and their runs)")
+    fmt.add_argument("--csv", action="store_true", help="one CSV line per run (variant x seed)")
+    di = sub.add_parser("diff", help="two configs: shared and differing stages and why, params, metrics")
+    di.add_argument("a", help="pipeline A")
+    di.add_argument("b", nargs="?", help="pipeline B (default: A)")
+    di.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of B, e.g. --set train.lr=1e-4 (repeatable)")
+    di.add_argument("--set-a", dest="overrides_a", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override of A (repeatable)")
+    di.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file")
+    di.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -> int:
+    args = build_parser(prog).parse_args(argv)
+    store = open_store()
+
+    def go() -> int:
+        if args.command == "gc":
+            return cmd_gc(args, store)
+        if args.command == "compare":
+            return cmd_compare(args, store)
+        if args.command == "diff":
+            return cmd_diff(args, store)
+        cfg = load_pipeline(args.pipeline, args.overrides, args.config)
+        if args.command == "memory":
+            return cmd_memory(cfg)
+        statuses = pipeline_status(cfg, store)
+        if args.command == "status":
+            if args.json:
+                print(json.dumps({"pipeline": cfg.name, "store": str(store),
+                                  "stages": [s.to_json() for s in statuses]}, indent=2))
+            else:
+                print(render_status(cfg.name, store, statuses))
+            return 0 if all(s.status == CACHED for s in statuses) else 1
+        s = find(statuses, args.stage)
+        if s.status == MISSING:
+            print(f"{s.stage}: {'; '.join(s.reasons)} (key {s.key[:12]}); run the pipeline first",
+                  file=sys.stderr)
+            return 1
+        if s.status != CACHED:
+            print(f"note: {s.stage} is stale ({'; '.join(s.reasons)}); showing the artifact it would replace",
+                  file=sys.stderr)
+        if args.command == "path":
+            print(s.path)
+        else:
+            print(json.dumps(store.read_manifest(s.stage, s.artifact_key or s.key), indent=2, sort_keys=True))
+        return 0
+
+    return guarded(go)
+
+
+def cmd_memory(cfg: PipelineConfig) -> int:
+    est = estimate_pipeline(cfg)
+    free, device = free_memory()
+    print(f"pipeline {cfg.name}: {cfg.model.name}, quantization {cfg.quantization.mode}, "
+          f"adapters {cfg.adapters.method}")
+    print(format_estimate(est))
+    print(f"  free on {device}: {human_bytes(free)} -> {'fits' if est.total <= free else 'does NOT fit'}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, store: Store) -> int:
+    """Exit 0 when every run of the sweep has results for the current code, 1 otherwise."""
+    if bool(args.sweep) == bool(args.pipeline):
+        raise ConfigError("compare: give --sweep NAME, or PIPELINE --grid KEY=V1,V2 (an ad-hoc sweep)")
+    if args.sweep and (args.grid or args.seeds):
+        raise ConfigError("compare --sweep NAME takes its variants from pipeline.yaml; drop --grid/--seeds")
+    if args.pipeline and not (args.grid or args.seeds):
+        raise ConfigError(f"compare {args.pipeline}: give --grid KEY=V1,V2 (or --sweep NAME)")
+    sw = from_args(args, args.sweep or args.pipeline)
+    c = comparison.compare(sw, store)
+    print(json.dumps(c.to_json(), indent=2, default=str) if args.json else
+          comparison.runs_csv(c).rstrip() if args.csv else comparison.render(c))
+    return 0 if all(v.status() == comparison.DONE for v in c.variants) else 1
+
+
+def cmd_diff(args: argparse.Namespace, store: Store) -> int:
+    """Exit 0 when every stage is shared, 1 when some differ."""
+    a = load_pipeline(args.a, args.overrides_a, args.config)
+    b = load_pipeline(args.b or args.a, args.overrides, args.config)
+    d = config_diff.diff(a, b, store)
+    print(json.dumps(d, indent=2, default=str) if args.json else config_diff.render_diff(d))
+    return 0 if all(s["shared"] for s in d["stages"]) else 1
+
+
+def cmd_gc(args: argparse.Namespace, store: Store) -> int:
+    garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
+    total = sum(g.size_bytes for g in garbage)
+    if args.json:
+        print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,
+                          "items": [g.__dict__ for g in garbage]}, indent=2))
+        return 0
+    if not garbage:
+        print(f"store {store}: every artifact is reachable from a pipeline's current keys; nothing to remove")
+        return 0
+    rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
+    for g in garbage:
+        result = ("removed" if g.removed else g.note) if args.force else ""
+        rows.append([g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes), result])
+    print(render_table(rows))
+    if args.force:
+        freed = sum(g.size_bytes for g in garbage if g.removed)
+        print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
+    else:
+        print(f"{len(garbage)} unreachable, {human_bytes(total)}; dry run: nothing removed "
+              f"(python -m flows.inspect gc --force to remove)")
+    return 0
+

@@ -1,0 +1,67 @@
+"""Every Prefect workaround (flows/orchestration/compat_prefect.py) still has its target in the installed Prefect,
+and the Prefect version pinned in pyproject.toml is one each was written for: an upgrade that moves the pin
+out of a range, or removes what a workaround patches, fails here by name instead of at a user's Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tomllib
+from importlib.metadata import version
+
+import pytest
+from helpers import ROOT
+from packaging.specifiers import SpecifierSet
+
+from flows.orchestration import compat_prefect
+from flows.orchestration.compat_prefect import WORKAROUNDS
+
+
+def pinned_prefect() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(re.fullmatch(r"prefect==(\S+)", d).group(1) for d in deps if d.startswith("prefect=="))
+
+
+@pytest.mark.parametrize("w", WORKAROUNDS, ids=lambda w: w.name)
+def test_each_workaround_was_written_for_the_pinned_and_installed_prefect(w):
+    for what, v in (("pinned in pyproject.toml", pinned_prefect()), ("installed", version("prefect"))):
+        assert v in SpecifierSet(w.versions), (
+            f"prefect {v} ({what}) is outside {w.versions}, the versions the workaround '{w.name}' was written "
+            f"for ({w.why}). Check it against the new Prefect, then widen its range in compat_prefect.py")
+
+
+@pytest.mark.parametrize("w", WORKAROUNDS, ids=lambda w: w.name)
+def test_each_workaround_target_still_exists(w):
+    assert not w.missing(), (f"the workaround '{w.name}' (written for prefect {w.versions}) patches "
+                             f"{', '.join(w.missing())}, which prefect {version('prefect')} no longer has")
+
+
+def test_a_gone_target_is_reported():
+    gone = compat_prefect.Workaround("x", ">=3", "prefect.runner", ("Runner.no_such_method",), "test")
+    assert gone.missing() == ["prefect.runner.Runner.no_such_method"]
+    assert compat_prefect.Workaround("x", ">=3", "prefect.no_such_module", (), "test").missing() == \
+        ["prefect.no_such_module"]
+
+
+def test_the_temporary_server_starts_in_its_own_session(monkeypatch):
+    import prefect.server.api.server as server
+
+    monkeypatch.setattr(server, "subprocess", server.subprocess)  # restored after the test
+    compat_prefect.start_temporary_server_in_own_session()
+    proc = server.subprocess.Popen(["sleep", "5"])
+    try:
+        assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
+        assert server.subprocess.TimeoutExpired is subprocess.TimeoutExpired
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_serve_runner_hands_sigterm_to_our_handler():
+    calls = []
+    runner = compat_prefect.runner_with_sigterm_handler(lambda: calls.append(1), limit=1)
+    runner.handle_sigterm()
+    assert calls == [1] and not compat_prefect.runner_is_serving(runner)
+    assert compat_prefect.runner_processes(runner) == []
+

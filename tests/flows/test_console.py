@@ -1,0 +1,69 @@
+"""The installed `finetune` command ([project.scripts] -> flows/console.py): its subcommands are the
+`python -m flows.<module>` entry points, each with its own --help, and bad input is one line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from flows.console import COMMANDS, main
+
+SCRIPT = Path(sys.executable).parent / "finetune"
+
+pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="the project is not installed (pip install -e .)")
+
+
+def finetune(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{SCRIPT.parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+           "FINETUNE_STORE": str(tmp_path / "store"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    return subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_subcommand(tmp_path):
+    res = finetune("--help", tmp_path=tmp_path)
+    assert res.returncode == 0, res.stderr
+    listed = [line.split()[0] for line in res.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["run", "sweep", "serve", "inspect", "summary", "predict"] == list(COMMANDS)
+    assert finetune(tmp_path=tmp_path).returncode == 2  # no command: the same help, exit 2
+
+
+@pytest.mark.parametrize("command", ["run", "sweep", "serve", "inspect", "summary"])
+def test_each_subcommand_has_its_own_help(capsys, command):  # in this process: the dispatch is the same
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: finetune {command} ")
+
+
+def test_inspect_subcommands_run_from_the_console(tmp_path):
+    res = finetune("inspect", "status", "tiny-imdb", tmp_path=tmp_path)
+    assert res.returncode == 1, res.stderr  # nothing in the fresh store: every stage missing
+    assert "tiny-imdb" in res.stdout and "missing" in res.stdout
+    assert not (tmp_path / "prefect").exists()  # a report never starts Prefect
+
+
+def test_bad_input_is_one_line_and_exit_2_before_prefect(tmp_path):
+    res = finetune("run", "bloom-imdb", "--set", "train.gradient_accumulation_steps=0", tmp_path=tmp_path)
+    assert (res.returncode, res.stderr.strip()) == (2, "error: --set train.gradient_accumulation_steps: must be "
+                                                       ">= 1, got 0")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "prefect").exists()
+
+
+def test_an_unknown_command_is_one_line(capsys):
+    assert main(["trian"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: unknown command 'trian'; commands: run, sweep, serve, "
+                                               "inspect, summary, predict (finetune --help)")
+
+
+def test_predict_dispatches_or_says_it_is_missing(capsys):
+    if (ROOT / "flows" / "predict.py").exists():
+        with pytest.raises(SystemExit) as exit_:
+            main(["predict", "--help"])
+        assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+    else:
+        assert main(["predict"]) == 2
+        assert capsys.readouterr().err.strip() == "error: finetune predict: this install has no flows.predict module yet"
