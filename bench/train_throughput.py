@@ -65,9 +65,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.common.device import CPU_BF16_UNITS, auto_precision, cpu_bf16_units, training_device  # noqa: E402
 from stages.common.device import autocast as stage_autocast  # noqa: E402
+from stages.common.device import training_device  # noqa: E402
 from stages.common.hf import split_gguf  # noqa: E402
+from stages.common.precision import CPU_BF16_UNITS, auto_precision, cpu_bf16_units  # noqa: E402
 from stages.data import mirror_root  # noqa: E402
 from stages.engine.schema import DataConfig, TrainConfig  # noqa: E402
 
