@@ -1,6 +1,6 @@
 """A fully cached pipeline run through Prefect against Prefect's own floor: a 7-task no-op flow.
 
-Both run as fresh processes on the same setup: the project's Prefect defaults (flows/__init__.py: PREFECT_HOME
+Both run as fresh processes on the same setup: the project's Prefect defaults (flows/orchestration/prefect_env.py: PREFECT_HOME
 in the project, a temporary server started by the run on 127.0.0.1) and no Prefect server configured, so each
 run starts and stops its own temporary server. The cached run is `python -m flows.finetune PIPELINE` with every
 stage a store hit (the script runs it once first, untimed, to fill the store if needed); the no-op flow runs 7
@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 NOOP_FLOW = r"""
-import flows  # the project's Prefect defaults, as flows.finetune has them
+import flows.orchestration  # the project's Prefect defaults, as flows.finetune has them
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
