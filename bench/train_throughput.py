@@ -12,13 +12,15 @@
       stage's loop costs on top of the arithmetic: collation, loss bookkeeping, metrics.jsonl, TensorBoard,
       the progress bar, the log line.
 
-All three train the same model, from the same weights, AdamW lr 5e-5, effective batch 16, in the same precision
-(fp32 on CPU; bf16 autocast on a GPU: the articles' 16-bit mixed precision, the stage's `auto`),
-on the same 512 real reviews (a seeded sample of ../shared/data/imdb/train.csv.gz). To stay bounded, run r
+All train the same model, from the same weights, AdamW lr 5e-5, effective batch 16, each variant in every
+precision of `--precisions` (default fp32 and bf16 autocast, fp32 master weights: the articles' 16-bit
+mixed precision; rows side by side, interleaved in the same run), on the same 512 real reviews (a seeded sample of ../shared/data/imdb/train.csv.gz). To stay bounded, run r
 trains one epoch over the r-th slice of `--subset` reviews of those 512, the same slice for every variant
 (so each variant sees exactly the same texts; `--subset 512` trains on all of them). Only the training
-loop is timed (no setup, no saving). Variants are interleaved within each run so machine noise spreads
-over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b).
+loop is timed (no setup, no saving). Variants and precisions are interleaved within each run so machine
+noise spreads over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b) in the
+same precision. The first line printed is the CPU's capability line: torch's kernel level, its bf16 units
+(stages/common/device.py) and what `train.mixed_precision: auto` picks there, and why.
 
 The second table compares (c) and (d) in steady state: the time from the end of optimizer step 1 to the
 end of the last step (so the first step's warm-up is out of both), over the real tokens of steps 2..N;
@@ -31,6 +33,7 @@ count the time spent waiting for a core.
     .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~12 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
     .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, ~4 min
+    .venv/bin/python bench/train_throughput.py --variants c --precisions fp32,bf16 --runs 3 --subset 32
     bash bench/gpu.sh                                          # on a GPU machine (see that script)
 
 Why the ratio to (a) is capped near 2x on a CPU: a CPU core does the same work per computed token at
@@ -62,7 +65,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
+from stages.common.device import autocast as stage_autocast  # noqa: E402
+from stages.common.device import training_device  # noqa: E402
 from stages.common.hf import split_gguf  # noqa: E402
+from stages.common.precision import CPU_BF16_UNITS, auto_precision, cpu_bf16_units  # noqa: E402
 from stages.data import mirror_root  # noqa: E402
 from stages.engine.schema import DataConfig, TrainConfig  # noqa: E402
 
@@ -121,21 +127,26 @@ def synchronize(device: torch.device) -> None:
 
 # ---------------------------------------------------------------- (a) the article's way
 
-def run_article(make_model, tok, texts, labels, device: torch.device) -> dict:
+PRECISIONS = {"fp32": "no", "bf16": "bf16"}  # --precisions name -> train.mixed_precision
+
+
+def autocast(precision: str, device: torch.device):
+    return stage_autocast(PRECISIONS[precision], device)
+
+
+def run_article(make_model, tok, texts, labels, device: torch.device, precision: str) -> dict:
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH, padding=True, return_tensors="pt")  # global padding
     model = make_model().to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     order = np.random.default_rng(0).permutation(len(texts))
     y = torch.tensor(labels)
-    # the article's 16-bit mixed precision (Fabric "16-mixed") as bf16 autocast; none on CPU
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     real = computed = 0
     synchronize(device)
     t0 = time.perf_counter()
     for i, j in enumerate(order.tolist()):  # micro-batch 1, accumulation 16
         ids, mask = enc["input_ids"][j:j + 1], enc["attention_mask"][j:j + 1]
-        with autocast:
+        with autocast(precision, device):  # the article's 16-bit mixed precision (Fabric "16-mixed") as bf16
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=y[j:j + 1].to(device))
         (out.loss / EFFECTIVE).backward()
         real += int(mask.sum())
@@ -149,7 +160,7 @@ def run_article(make_model, tok, texts, labels, device: torch.device) -> dict:
 
 # ---------------------------------------------------------------- (b) HF Trainer
 
-def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
+def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.device, precision: str) -> dict:
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
 
     enc = tok(texts, truncation=True, max_length=MAX_LENGTH)
@@ -178,7 +189,7 @@ def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.
     args = TrainingArguments(output_dir=str(workdir), per_device_train_batch_size=8, gradient_accumulation_steps=2,
                              num_train_epochs=1, learning_rate=LR, train_sampling_strategy="group_by_length",
                              lr_scheduler_type="constant", report_to=[], save_strategy="no", logging_strategy="no",
-                             use_cpu=device.type == "cpu", bf16=device.type == "cuda",
+                             use_cpu=device.type == "cpu", bf16=precision == "bf16",
                              dataloader_num_workers=0, disable_tqdm=True, seed=0)
     trainer = Trainer(model=make_model(), args=args, train_dataset=ds, data_collator=collate, callbacks=[Clock()])
     trainer.train()
@@ -187,10 +198,10 @@ def run_hf_trainer(make_model, tok, texts, labels, workdir: Path, device: torch.
 
 # ---------------------------------------------------------------- (c) this stage
 
-def stage_config() -> TrainConfig:
+def stage_config(precision: str = "fp32") -> TrainConfig:
     return TrainConfig(micro_batch_size=8, gradient_accumulation_steps=2, epochs=1, optimizer="adamw_torch",
                        lr=LR, group_by_length=True, seed=0, checkpoint_every=10**6, log_every=10**6,
-                       mixed_precision="auto")  # bf16 on a GPU, fp32 on CPU
+                       mixed_precision=PRECISIONS[precision])
 
 
 def stage_rows(tok, texts, labels) -> list[dict]:
@@ -198,7 +209,7 @@ def stage_rows(tok, texts, labels) -> list[dict]:
     return [{"input_ids": ids, "labels": y, "length": len(ids)} for ids, y in zip(enc["input_ids"], labels, strict=True)]
 
 
-def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.device) -> dict:
+def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.device, precision: str) -> dict:
     import stages.train as train_stage
 
     rows = stage_rows(tok, texts, labels)
@@ -216,7 +227,7 @@ def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.devic
 
     train_stage.save_checkpoint = timed_save
     try:
-        m = train_stage.train_model(make_model(), rows, None, stage_config(), "seq_cls", tok.pad_token_id,
+        m = train_stage.train_model(make_model(), rows, None, stage_config(precision), "seq_cls", tok.pad_token_id,
                                     workdir / "out", workdir / "work", logging.getLogger("bench.train"),
                                     on_step=lambda step, loss: ends.append(clocks()))
     finally:
@@ -234,12 +245,12 @@ def clocks() -> tuple[float, float]:
 
 # ---------------------------------------------------------------- (d) bare loop over the stage's batches
 
-def run_bare(make_model, tok, texts, labels, device: torch.device) -> dict:
+def run_bare(make_model, tok, texts, labels, device: torch.device, precision: str) -> dict:
     import torch.nn.functional as F
 
     from stages.common.batching import Rows, epoch_batches
 
-    cfg = stage_config()
+    cfg = stage_config(precision)
     rows = Rows(stage_rows(tok, texts, labels))
     effective = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     plan = epoch_batches(rows.lengths, effective, cfg.seed, 0, cfg.group_by_length)
@@ -248,14 +259,13 @@ def run_bare(make_model, tok, texts, labels, device: torch.device) -> dict:
     model = make_model().to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     ends: list[tuple[float, float]] = []
     synchronize(device)
     t0 = time.perf_counter()
     for k, micro in enumerate(steps):
         rows_in_step = sum(len(mb) for mb in micro)
         for mb in micro:
-            with autocast:
+            with autocast(precision, device):
                 logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             (F.cross_entropy(logits.float(), mb.labels, reduction="sum") / rows_in_step).backward()
         opt.step()
@@ -284,82 +294,115 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU: torch threads (1: steadier when other jobs share the cores)")
     ap.add_argument("--variants", default="abcd", help="which variants to run, e.g. cd (the loop's overhead only)")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, from fp32 and bf16 (autocast, "
+                    "fp32 master weights); each variant runs in each, rows side by side")
     ap.add_argument("--json", type=Path, help="also write every run's numbers here")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as the train stage chooses
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if not precisions or set(precisions) - set(PRECISIONS):
+        ap.error(f"--precisions {args.precisions}: choose from {', '.join(PRECISIONS)}")
+    device = training_device()  # as the train stage chooses
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
 
+    print(capability_line(device))
     texts, labels = load_reviews(args.reviews, data=args.data)
     random_init = args.random_init or MODELS[args.model] is None  # bloom-560m: config only
     tok, make_model = load_model_and_tokenizer(args.model, args.model_dir, random_init)
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]
-    where = torch.cuda.get_device_name(device) + ", bf16 autocast" if device.type == "cuda" \
-        else f"CPU, fp32, {args.threads} thread(s)"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
+    where += f", {' and '.join(precisions)}"
     print(f"model {args.model}{' (random init)' if random_init else ''} on "
           f"{where}; {len(texts)} real IMDB reviews, {sum(lengths)} tokens (mean {np.mean(lengths):.0f}, "
           f"max {max(lengths)}); per run one epoch over a slice of {args.subset} of them, {args.runs} runs")
     variants = {
-        "(a) article: pad to max, micro-batch 1 x 16": lambda d, t, y: run_article(make_model, tok, t, y, device),
+        "(a) article: pad to max, micro-batch 1 x 16":
+            lambda d, t, y, p: run_article(make_model, tok, t, y, device, p),
         "(b) HF Trainer, DataCollatorWithPadding + group_by_length, 8 x 2":
-            lambda d, t, y: run_hf_trainer(make_model, tok, t, y, d, device),
+            lambda d, t, y, p: run_hf_trainer(make_model, tok, t, y, d, device, p),
         "(c) this stage: grouped + dynamic padding, 8 x 2":
-            lambda d, t, y: run_stage(make_model, tok, t, y, d, device),
+            lambda d, t, y, p: run_stage(make_model, tok, t, y, d, device, p),
         "(d) bare loop over the stage's batches: forward, backward, step":
-            lambda d, t, y: run_bare(make_model, tok, t, y, device),
+            lambda d, t, y, p: run_bare(make_model, tok, t, y, device, p),
     }
     variants = {k: v for k, v in variants.items() if k[1] in args.variants}
-    results: dict[str, list[dict]] = {k: [] for k in variants}
+    # "variant | precision" -> runs; variant-major, so each variant's precisions are side by side
+    results: dict[str, list[dict]] = {f"{k} | {p}": [] for k in variants for p in precisions}
     for r in range(args.runs):
         lo = (r * args.subset) % len(texts)
         t_r, y_r = texts[lo:lo + args.subset], labels[lo:lo + args.subset]
         for name, fn in variants.items():  # interleaved, so machine noise spreads over all variants
-            with tempfile.TemporaryDirectory() as d:
-                res = fn(Path(d), t_r, y_r)
-            res["tok_s"] = res["real"] / res["seconds"]
-            results[name].append(res)
-            steady = (f"; steps 2..N {res['steady_real'] / res['steady_seconds']:.0f} tok/s wall, "
-                      f"{res['steady_real'] / res['steady_cpu_seconds']:.0f} tok/s CPU") if "steady_real" in res else ""
-            print(f"  run {r + 1} {name[:3]}: {res['tok_s']:.0f} real tok/s, "
-                  f"padding {1 - res['real'] / res['computed']:.1%}, {res['seconds']:.1f}s{steady}", flush=True)
-            if args.json:  # every run as it ends: a run killed half-way keeps what it measured
-                args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results}, indent=1))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            for prec in precisions:
+                with tempfile.TemporaryDirectory() as d:
+                    res = fn(Path(d), t_r, y_r, prec)
+                res["tok_s"] = res["real"] / res["seconds"]
+                results[f"{name} | {prec}"].append(res)
+                steady = (f"; steps 2..N {res['steady_real'] / res['steady_seconds']:.0f} tok/s wall, "
+                          f"{res['steady_real'] / res['steady_cpu_seconds']:.0f} tok/s CPU") \
+                    if "steady_real" in res else ""
+                print(f"  run {r + 1} {name[:3]} {prec}: {res['tok_s']:.0f} real tok/s, "
+                      f"padding {1 - res['real'] / res['computed']:.1%}, {res['seconds']:.1f}s{steady}", flush=True)
+                if args.json:  # every run as it ends: a run killed half-way keeps what it measured
+                    args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results},
+                                                    indent=1))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in results.items()}
-    a, b = (next((m for k, m in med.items() if k.startswith(f"({v})")), None) for v in "ab")
 
-    def vs(x: float, base: float | None) -> str:
-        return f"{x / base:>5.2f}x" if base else f"{'-':>6}"
+    def base(variant: str, prec: str) -> float | None:
+        return next((m for k, m in med.items() if k.startswith(f"({variant})") and k.endswith(f"| {prec}")), None)
+
+    def vs(x: float, b: float | None) -> str:
+        return f"{x / b:>5.2f}x" if b else f"{'-':>6}"
 
     print()
-    print(f"| {'variant':<66} | real tok/s (median) | computed tok/s | padding share | vs (a) | vs (b) |")
-    print(f"|{'-' * 68}|--------------------:|---------------:|--------------:|-------:|-------:|")
+    print(f"| {'variant':<66} | precision | real tok/s (median) | computed tok/s | padding share | vs (a) | vs (b) "
+          f"| vs fp32 |")
+    print(f"|{'-' * 68}|:----------|--------------------:|---------------:|--------------:|-------:|-------:|--------:|")
     for k, v in results.items():
+        name, prec = k.rsplit(" | ", 1)
         pad = statistics.median(1 - x["real"] / x["computed"] for x in v)
         comp = statistics.median(x["computed"] / x["seconds"] for x in v)
-        print(f"| {k:<66} | {med[k]:>19.0f} | {comp:>14.0f} | {pad:>13.1%} | {vs(med[k], a)} | {vs(med[k], b)} |")
-    steady, ratios = {}, {}
-    c_runs = next((v for k, v in results.items() if k.startswith("(c)")), None)
-    d_runs = next((v for k, v in results.items() if k.startswith("(d)")), None)
-    if c_runs and d_runs:
+        fp32 = med.get(f"{name} | fp32")
+        print(f"| {name:<66} | {prec:<9} | {med[k]:>19.0f} | {comp:>14.0f} | {pad:>13.1%} | "
+              f"{vs(med[k], base('a', prec))} | {vs(med[k], base('b', prec))} | {vs(med[k], fp32):>7} |")
+    steady: dict[str, dict] = {}
+    ratios: dict[str, dict] = {}
+    for prec in precisions:
+        c_runs = next((v for k, v in results.items() if k.startswith("(c)") and k.endswith(f"| {prec}")), None)
+        d_runs = next((v for k, v in results.items() if k.startswith("(d)") and k.endswith(f"| {prec}")), None)
+        if not (c_runs and d_runs):
+            continue
         print()
-        print("(c) vs (d) in steady state, steps 2..N: every per-step cost of (c) counted, checkpoint writes excluded")
+        print(f"(c) vs (d) in steady state, {prec}, steps 2..N: every per-step cost of (c) counted, checkpoint "
+              f"writes excluded")
         print("| clock | (c) stage tok/s | (d) bare loop tok/s | (c)/(d) of the medians | (c)/(d) per run |")
         print("|-------|----------------:|--------------------:|-----------------------:|:----------------|")
+        steady[prec], ratios[prec] = {}, {}
         for clock, key in (("wall", "steady_seconds"), ("CPU", "steady_cpu_seconds")):
             c = [x["steady_real"] / x[key] for x in c_runs]
             d = [x["steady_real"] / x[key] for x in d_runs]
-            steady[clock] = {"c": statistics.median(c), "d": statistics.median(d)}
-            ratios[clock] = [ci / di for ci, di in zip(c, d, strict=True)]
-            print(f"| {clock:<5} | {steady[clock]['c']:>15.0f} | {steady[clock]['d']:>19.0f} | "
-                  f"{steady[clock]['c'] / steady[clock]['d']:>22.3f} | {', '.join(f'{r:.3f}' for r in ratios[clock])} |")
+            st = steady[prec][clock] = {"c": statistics.median(c), "d": statistics.median(d)}
+            ratios[prec][clock] = [ci / di for ci, di in zip(c, d, strict=True)]
+            print(f"| {clock:<5} | {st['c']:>15.0f} | {st['d']:>19.0f} | {st['c'] / st['d']:>22.3f} | "
+                  f"{', '.join(f'{r:.3f}' for r in ratios[prec][clock])} |")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "device": where, "runs": results,
-                                         "median_real_tok_s": med, "steady_real_tok_s": steady,
+        args.json.write_text(json.dumps({"model": args.model, "device": where, "capability": capability_line(device),
+                                         "runs": results, "median_real_tok_s": med, "steady_real_tok_s": steady,
                                          "steady_c_over_d": ratios}, indent=1))
+
+
+def capability_line(device: torch.device) -> str:
+    """The CPU's (or GPU's) capability line: torch's kernel level, the bf16 units, and what `auto` picks."""
+    auto = auto_precision(device)
+    if device.type == "cuda":
+        return f"GPU {torch.cuda.get_device_name(device)}: train.mixed_precision auto -> {auto.name} ({auto.reason})"
+    units = cpu_bf16_units()
+    return (f"CPU {torch.cpu.get_capabilities().get('cpu_name', '?')}: torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"bf16 units {', '.join(units) if units else 'none'} (of {', '.join(CPU_BF16_UNITS)}); "
+            f"train.mixed_precision auto -> {auto.name} ({auto.reason})")
 
 
 if __name__ == "__main__":

@@ -30,24 +30,19 @@ import torch
 from stages.common import inference, metrics
 from stages.common.arrow import read_split
 from stages.common.batching import collate
+from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer
 from stages.common.inference import batches, class_logits, device_for, generation_kwargs, prompt_of
 from stages.common.losses import loss_units, summed_loss
 from stages.common.model_loading import load_trained
 from stages.engine.errors import MissingInputError
 from stages.engine.runner import StageContext
-from stages.engine.schema import PipelineConfig
 
 if TYPE_CHECKING:
     from stages.common.model_loading import HFModel
 
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
-
-
-def metric_files(cfg: PipelineConfig) -> list[Path]:
-    """The stage's input files: the `evaluate` modules it loads by path (a wrong metric fails here, at plan)."""
-    return metrics.module_files(metrics.metric_names(cfg.evaluate.metrics, cfg.model.task))
 
 
 def exact_cpu_kernels(model: torch.nn.Module) -> None:
@@ -133,12 +128,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok = load_tokenizer(tok_dir / "tokenizer")
     model = load_evaluated(ctx.upstream["model"], ctx.upstream["adapters"], ctx.upstream["train"])
     device = device_for(model)
+    precision = resolve_precision(ctx.cfg.train.mixed_precision, device)  # training's, resolved at plan
+    ctx.log.info("evaluate: device %s, precision %s (%s)", device, precision.name, precision.reason)
     gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
     scores = metrics.metric_names(e.metrics, task)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
     results: dict[str, Any] = {}
-    with open(ctx.out_dir / "predictions.jsonl", "w") as out:
+    with open(ctx.out_dir / "predictions.jsonl", "w") as out, autocast(precision, device):
         for split in e.splits:
             part = ds[split]
             if e.max_examples:
@@ -178,4 +175,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
                              str(rec["reference"])[:200])
     (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     return {"task": task, "splits": results, **({"label_names": names} if names else {}),
+            "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

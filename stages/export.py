@@ -39,14 +39,12 @@ from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
 from stages.engine.runner import StageContext, select
-from stages.engine.schema import PipelineConfig
+from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-# the config sections the card prints; stages/graph.py declares them (with name, description) as export's reads
-CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 PIPELINE_JSON, PIPELINE_YAML = "finetune_pipeline.json", "finetune_pipeline.yaml"
 AUTO_MODEL = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
               "causal_lm": "AutoModelForCausalLM"}

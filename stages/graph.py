@@ -1,7 +1,8 @@
 """The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
 Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it.
 
-The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
+The bodies are named, not imported (Lazy): planning, and a run where every stage is a store hit, import no
+torch or transformers. The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
 bound to this graph, for the command lines and flows above."""
 
 from __future__ import annotations
@@ -10,19 +11,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from stages import adapters, data, model, tokenize, train
-from stages import evaluate as evaluate_stage
-from stages import export as export_stage
+from stages import data
 from stages.common import distributed
-from stages.common.hf import model_deps, tokenizer_deps, tokenizer_files
-from stages.common.metrics import validation_metric_files
-from stages.common.model_loading import input_files as model_input_files
-from stages.common.pipeline_memory import check_pipeline_fits
+from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
+from stages.common.metrics import metric_files, validation_metric_files
+from stages.common.precision import resolve_mixed_precision
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.remote_store import open_store
-from stages.engine.runner import Planned, Stage
-from stages.engine.schema import PipelineConfig
+from stages.engine.runner import Lazy, Planned, Stage
+from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 from stages.engine.store import Outcome, Store
 
 STAGES: list[Stage] = [
@@ -39,7 +37,7 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="tokenize",
-        body=tokenize.run,
+        body=Lazy("stages.tokenize", "run"),
         reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
                "model.trust_remote_code"),
         upstream=("data",),
@@ -51,8 +49,8 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="model",
-        body=model.run,
-        precheck=check_pipeline_fits,  # stop before loading when training cannot fit
+        body=Lazy("stages.model", "run"),
+        precheck=Lazy("stages.common.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         inputs=model_input_files,
         deps=model_deps,
@@ -61,36 +59,37 @@ STAGES: list[Stage] = [
     ),
     Stage(
         name="adapters",
-        body=adapters.run,
+        body=Lazy("stages.adapters", "run"),
         reads=("adapters",),
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
     Stage(
         name="train",
-        body=train.run,
+        body=Lazy("stages.train", "run"),
         reads=("train", "model.task"),
         joins=lambda cfg: distributed.joining(cfg.train),  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
         inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
+        resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
         name="evaluate",
-        body=evaluate_stage.run,
+        body=Lazy("stages.evaluate", "run"),
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
-        reads=("evaluate", "model.task"),
+        reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
-        inputs=evaluate_stage.metric_files,  # the evaluate modules' files: loaded by path, not imported
+        inputs=metric_files,  # the evaluate modules' files: loaded by path, not imported
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),
     Stage(
         name="export",
-        body=export_stage.run,
+        body=Lazy("stages.export", "run"),
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
         # Downstream of evaluate: the card carries its metrics, generation_config.json its settings; `overrides`
         # are the --set options of these sections (the card's reproduce command), runtime ones dropped.
-        reads=("name", "description", "overrides", *export_stage.CARD_SECTIONS),
+        reads=("name", "description", "overrides", *CARD_SECTIONS),
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),

@@ -2,9 +2,9 @@
 
     setup (TrainRun.__init__)  ->  loop over optimizer steps (TrainRun.train)  ->  cleanup (TrainRun.finish)
 
-Setup: precision (bf16 where supported, fp16 + grad scaler on older GPUs, fp32 on CPU) and accelerate's
-`Accelerator` (stages/common/device.py), optimizer and LR schedule (stages/common/optim.py), and the
-latest resume checkpoint from `work_dir` if a run of this same key was killed.
+Setup: precision (`auto`: bf16 on GPUs that have it and on CPUs with bf16 units, fp16 + grad scaler on older
+GPUs, else fp32; resolved before any key, so the key holds the precision used) and accelerate's Accelerator
+(stages/common/device.py), optimizer and schedule (stages/common/optim.py), the latest resume checkpoint.
 
 Loop: each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps
 rows, chosen by a seeded length-grouped sampler: stages/common/batching.py), cuts it into micro-batches
@@ -29,11 +29,9 @@ the count over the whole global batch and DDP averages the gradients (shard_wind
 one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and writes the
 artifact. The OOM back-off is off there (one process cannot retry alone).
 
-Several machines (train.num_machines > 1): every machine runs the same pipeline with its own
-train.machine_rank; each launches its num_processes and they meet at machine 0's main_process_ip:port
-(torchrun's rendezvous). Global rank 0 (on machine 0) alone writes; on the other machines the stage runs
-outside the store (Stage.joins: no lease, nothing committed) and their pipeline stops after it. A resume
-checkpoint lives on machine 0's disk: its rank 0 sends it to the others over the process group.
+Several machines (train.num_machines > 1): each runs the pipeline with its own train.machine_rank; they meet
+at machine 0's main_process_ip:port (torchrun's rendezvous). Global rank 0 alone writes; the others run the
+stage outside the store (Stage.joins) and stop after it. Machine 0's rank 0 sends them its resume checkpoint.
 """
 
 from __future__ import annotations
@@ -133,7 +131,7 @@ class TrainRun:
         self.is_main = self.accelerator.is_main_process
         # torchrun's: the processes on this machine (accelerate launch --num_machines M starts world / M each)
         self.machines = self.world // int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        if self.precision != "no":
+        if self.precision.name != "no":
             upcast_trainable(model, log)
         if tcfg.gradient_checkpointing:
             enable_gradient_checkpointing(model, log)
@@ -348,7 +346,8 @@ class TrainRun:
             "gradient_accumulation_steps": math.ceil(self.effective / (p.micro_batch_size * self.world)),
             "num_processes": self.world,  # all of them, on all machines
             "num_machines": self.machines,
-            "precision": self.precision,
+            "precision": self.precision.name,
+            "precision_reason": self.precision.reason,
             "optimizer": cfg.optimizer,
             "trainable_params": self.n_trainable,
             "total_params": self.n_total,

@@ -17,6 +17,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # OpenMP threads each would oversubscribe 2 cores, and spinning threads wait on each other
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
+# The CPU's bf16 units as none, so `train.mixed_precision: auto` trains in fp32 whatever CPU runs the suite (its
+# tolerances are fp32's); tests of the detection inject capabilities (tests/stages/test_train.py).
+os.environ.setdefault("FINETUNE_CPU_BF16_UNITS", "")
+
 from helpers import SHARED_DATA  # noqa: E402  (after the offline settings: helpers imports the stages)
 
 os.environ.setdefault("FINETUNE_DATA_MIRROR", str(SHARED_DATA))

@@ -1,8 +1,10 @@
-"""The device side of training: precision, accelerate's Accelerator, fp32 master weights, gradient
-checkpointing, seeding, and recognising an out-of-memory error."""
+"""The device side of training: precision (resolved in stages/common/precision.py, autocast here), accelerate's
+Accelerator, fp32 master weights, gradient checkpointing, seeding, and recognising an out-of-memory error.
+Stages (and predict) import resolve_precision, autocast and training_device from here."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import random
@@ -12,30 +14,34 @@ import numpy as np
 import torch
 
 from stages.common.compat.accelerate import reset_accelerator_state
-from stages.engine.errors import ConfigError
+from stages.common.precision import Precision, device_type, resolve_precision
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_precision(setting: str, device: torch.device) -> str:
-    """auto: bf16 on GPUs that have it, fp16 (+ grad scaler) on older GPUs, fp32 ("no") on CPU
-    (bf16 matmuls are ~80x slower on these CPUs)."""
-    if setting == "auto":
-        if device.type == "cuda":
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "no"
-    if setting == "fp16" and device.type != "cuda":
-        raise ConfigError("train.mixed_precision: fp16 needs a CUDA GPU; use auto (fp32 on CPU) or bf16")
-    return setting
+def training_device() -> torch.device:
+    """The device the train stage (and evaluate, predict) computes on: the GPU when there is one."""
+    return torch.device(device_type())
 
 
-def make_accelerator(mixed_precision: str, log: logging.Logger) -> tuple[Any, str]:
+def autocast(precision: Precision | str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast in `precision` (a Precision or its name) on `device`; fp32: a no-op."""
+    dtype = AUTOCAST_DTYPES.get(precision.name if isinstance(precision, Precision) else precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def make_accelerator(mixed_precision: str, log: logging.Logger) -> tuple[Any, Precision]:
     from accelerate import Accelerator
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = training_device()
     precision = resolve_precision(mixed_precision, device)
     reset_accelerator_state()  # several trainings in one process (tests, bench) may differ
     # accumulation is ours (token-normalised), so accelerate's own is left at 1
-    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=1, cpu=device.type == "cpu")
-    log.info("train: device %s, mixed precision %s (setting %s)", accelerator.device, precision, mixed_precision)
+    accelerator = Accelerator(mixed_precision=precision.name, gradient_accumulation_steps=1,
+                              cpu=device.type == "cpu")
+    log.info("train: device %s, mixed precision %s (%s)", accelerator.device, precision.name, precision.reason)
     return accelerator, precision
 
 

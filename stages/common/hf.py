@@ -89,3 +89,22 @@ def special_affixes(tok: Any) -> tuple[list[int], list[int]]:
     full = tok("x")["input_ids"]
     start = next(i for i in range(len(full)) if full[i:i + len(bare)] == bare)
     return full[:start], full[start + len(bare):]
+
+
+def model_files(cfg: PipelineConfig) -> list[Path]:
+    """Local checkpoint files whose content is in the key (a hub model is identified by id + revision)."""
+    m = cfg.model
+    if m.from_config:
+        return []
+    _, _, local = split_gguf(m.name, m.gguf_file)
+    if local is None:
+        return []
+    if local.is_file():
+        return [local]
+    return sorted(p for p in local.iterdir() if p.is_file() and (
+        p.suffix in (".safetensors", ".json", ".bin", ".gguf") and not p.name.startswith("tokenizer")))
+
+
+def model_input_files(cfg: PipelineConfig) -> list[Path]:
+    """The model stage's input files: the local checkpoint, and the tokenizer a pad token id may come from."""
+    return sorted(set(model_files(cfg)) | set(tokenizer_files(cfg)))

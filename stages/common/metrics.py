@@ -125,3 +125,9 @@ def classification_metrics(predictions: Sequence[int], references: Sequence[int]
 def rouge(predictions: Sequence[str], references: Sequence[str], *, jobs: int | None = None) -> dict[str, float]:
     """Mean F-measure over examples for ROUGE-1, -2, -L and -Lsum (0.0 for no examples)."""
     return compute(["rouge"], predictions, references, jobs=jobs)
+
+
+def metric_files(cfg: Any) -> list[Path]:
+    """The evaluate stage's input files: the `evaluate` modules it loads by path (a wrong metric fails here,
+    at plan)."""
+    return module_files(metric_names(cfg.evaluate.metrics, cfg.model.task))

@@ -21,11 +21,11 @@ from stages.common.compat.transformers import (
     keep_in_fp32_modules,
     keys_to_not_convert,
 )
-from stages.common.hf import HUB_FIX, split_gguf, tokenizer_files
+from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.schema import ModelConfig, PipelineConfig, QuantizationConfig
+from stages.engine.schema import ModelConfig, QuantizationConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,7 +54,8 @@ def auto_class(task: str) -> Any:
 
 
 def compute_dtype(name: str) -> torch.dtype:
-    """`auto`: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU (bf16 matmul is ~80x slower there)."""
+    """`auto`: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU (bitsandbytes' CPU kernels; training's
+    bf16 on CPUs with bf16 units is train.mixed_precision's autocast, stages/common/device.py)."""
     if name != "auto":
         return DTYPES[name]
     if torch.cuda.is_available():
@@ -135,23 +136,6 @@ def bnb_config(q: QuantizationConfig, plan: memory.QuantPlan) -> Any:
                               llm_int8_skip_modules=list(plan.skip))
 
 
-def model_files(cfg: PipelineConfig) -> list[Path]:
-    """Local checkpoint files whose content is in the key (a hub model is identified by id + revision)."""
-    m = cfg.model
-    if m.from_config:
-        return []
-    _, _, local = split_gguf(m.name, m.gguf_file)
-    if local is None:
-        return []
-    if local.is_file():
-        return [local]
-    return sorted(p for p in local.iterdir() if p.is_file() and (
-        p.suffix in (".safetensors", ".json", ".bin", ".gguf") and not p.name.startswith("tokenizer")))
-
-
-def input_files(cfg: PipelineConfig) -> list[Path]:
-    """The stage's input files: the local checkpoint, and the tokenizer a pad token id may come from."""
-    return sorted(set(model_files(cfg)) | set(tokenizer_files(cfg)))
 
 
 def quiet_transformers() -> None:

@@ -4,6 +4,7 @@ order, see stages/graph.py); the engine never names a stage. The Prefect flow ca
 
 from __future__ import annotations
 
+import importlib
 import logging
 import tempfile
 import time
@@ -28,6 +29,22 @@ from stages.engine.schema import PipelineConfig
 from stages.engine.store import Outcome, StageKey, Store
 
 log = logging.getLogger("finetune")
+
+
+class Lazy:
+    """A function named by module and name, imported at its first call. The graph names the stage bodies
+    (and their prechecks) this way, so that planning, and a run where every stage is a store hit, never
+    import the libraries the bodies compute with (torch, transformers). The code fingerprint finds its
+    source by the same names (root_of)."""
+
+    def __init__(self, module: str, name: str):
+        self.__module__, self.__qualname__ = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.__module__), self.__qualname__)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.__module__}.{self.__qualname__})"
 
 
 @dataclass(frozen=True)
@@ -116,8 +133,8 @@ class Planned:
 
 def code_roots(st: Stage) -> list[Any]:
     """Where a stage's code fingerprint starts: its body, the function that picks its input files, and
-    the engine objects a body calls into (the config view it reads through, its context)."""
-    return [st.body, st.inputs, st.deps, ConfigView, StageContext]
+    the engine objects a body calls into (the config view it reads through, its context, Lazy)."""
+    return [st.body, st.inputs, st.deps, ConfigView, StageContext, Lazy]
 
 
 def plan(cfg: PipelineConfig, graph: Iterable[Stage], hashes: HashMemo | None = None) -> list[Planned]:

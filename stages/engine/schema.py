@@ -264,8 +264,10 @@ class TrainConfig(Section):
     max_grad_norm: float | None = Field(None, gt=0, description="clip the gradients' global L2 norm to this "
                                         "before each optimizer step; null: no clipping")
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = Field(
-        "auto", description="autocast of forward/backward, fp32 master weights. auto: bf16 on GPUs that have it, "
-        "fp16 + gradient scaler on older GPUs, fp32 on CPU; no: fp32; fp16: CUDA only; bf16")
+        "auto", description="autocast of forward/backward (and of the evaluate stage's forward passes), fp32 "
+        "master weights. auto: bf16 on GPUs that have it, fp16 + gradient scaler on older GPUs; on a CPU bf16 "
+        "where it has bf16 units (amx_bf16 or avx512_bf16), else fp32; resolved before the keys, which hold the "
+        "precision used. no: fp32; fp16: CUDA only; bf16")
     gradient_checkpointing: bool = Field(False, description="recompute activations during backward instead of "
                                          "keeping them: less memory, about one more forward pass of compute")
     group_by_length: bool = Field(True, description="true: seeded effective batches of similar lengths (less "
@@ -365,6 +367,11 @@ class ExportConfig(Section):
                         "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
+
+
+# the config sections the export stage's model card prints; stages/graph.py declares them (with name,
+# description) as export's reads
+CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
 
 class PipelineConfig(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dis
+import importlib
 import logging
 import sys
 import threading
@@ -201,6 +202,8 @@ def without_flow_log_handlers() -> Iterator[None]:
 def traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
     """run -> stage -> objects the stage ran (its body, and the function choosing its input files)."""
     out: dict[str, dict[str, set[str]]] = {}
+    for st in STAGES:  # the graph names its bodies lazily: their modules' import is not what a stage runs
+        importlib.import_module(st.body.__module__)
     with without_flow_log_handlers():
         for run, (pipeline, sets) in RUNS.items():
             cfg = load_pipeline(pipeline, list(sets))

@@ -4,11 +4,13 @@ module outgrows one screenful of concerns."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import ROOT
 
 MAX_LINES = 420  # "about 400": a screenful of concerns, not a hard byte budget
@@ -25,3 +27,22 @@ def test_no_module_over_about_400_lines():
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines())
              for pkg in ("stages", "flows") for p in (ROOT / pkg).rglob("*.py")}
     assert not {str(p): n for p, n in sizes.items() if n > MAX_LINES}
+
+
+def test_planning_imports_no_torch_or_transformers():
+    """The graph names the stage bodies without importing them (runner.Lazy), and `auto` precision is
+    resolved from the CPU's flags: planning, all a run whose every stage is a store hit does before its
+    hits, imports none of the libraries the bodies compute with (on a machine without a GPU driver: with
+    one, torch is asked whether it sees the GPU)."""
+    from stages.common.precision import GPU_NODES
+
+    if any(os.path.exists(p) for p in GPU_NODES):
+        pytest.skip("a GPU driver is present: planning asks torch about the GPU")
+    code = ("import sys; from stages.engine.config import load_pipeline; from stages.graph import plan; "
+            "items = plan(load_pipeline('tiny-imdb', [])); "
+            "print(items[4].key.params['train']['mixed_precision'], "
+            "sorted(m for m in ('torch', 'transformers', 'peft', 'accelerate', 'datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FINETUNE_CPU_BF16_UNITS": "avx512_bf16"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["bf16", "[]"]

@@ -105,6 +105,28 @@ def test_classifier_pipeline_runs_end_to_end(store, capfd, monkeypatch):
             f1_score([r["reference"] for r in rows], [r["prediction"] for r in rows], average="macro"), abs=1e-12)
     assert out["evaluate"].manifest["metrics"]["splits"] == m
     assert "evaluate test" in capfd.readouterr().err  # the progress bar over evaluation batches
+    assert out["evaluate"].manifest["metrics"]["precision"] == "no"  # the suite's CPU has no bf16 units
+
+
+@needs_shared_data
+def test_evaluate_runs_its_forward_passes_in_the_precision_training_used(store, monkeypatch):
+    import torch
+
+    import stages.evaluate as evaluate_stage
+
+    seen = []
+    real_classify = evaluate_stage.classify
+
+    def classify(*a, **kw):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return real_classify(*a, **kw)
+
+    monkeypatch.setattr(evaluate_stage, "classify", classify)
+    out = helpers.run("tiny-imdb", *IMDB, "train.mixed_precision=bf16", until="evaluate")
+    assert out["train"].manifest["metrics"]["precision"] == "bf16"
+    ev = out["evaluate"].manifest["metrics"]
+    assert ev["precision"] == "bf16" and "auto would choose no" in ev["precision_reason"]
+    assert seen == [(True, torch.bfloat16)] * 2  # validation and test
 
 
 @needs_shared_data

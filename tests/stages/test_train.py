@@ -177,16 +177,36 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     assert not again["train"].computed
 
 
-def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
+def cpu_with(monkeypatch, **caps: bool) -> None:
+    """This process sees a CPU with these flags (/proc/cpuinfo's names), its bf16 units detected from them."""
+    from stages.common import precision
+    from stages.common.precision import UNITS_ENV
+
+    monkeypatch.delenv(UNITS_ENV, raising=False)  # the suite names none (tests/conftest.py): detect instead
+    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx512f", "avx2", *(k for k, v in caps.items() if v)})
+
+
+def test_mixed_precision_auto_follows_the_cpus_bf16_units_and_the_gpu(tmp_path, monkeypatch):
     from stages.common.device import resolve_precision
+    from stages.common.precision import UNITS_ENV
     from stages.engine.errors import ConfigError
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert resolve_precision("auto", cpu) == "no"  # bf16 matmuls are ~80x slower on these CPUs
+    cpu_with(monkeypatch, avx512_bf16=True, amx_bf16=False)
+    p = resolve_precision("auto", cpu)
+    assert (p.name, p.dtype) == ("bf16", torch.bfloat16) and "avx512_bf16" in p.reason
+    cpu_with(monkeypatch, amx_bf16=True, avx512_bf16=True)
+    assert "amx_bf16, avx512_bf16" in resolve_precision("auto", cpu).reason
+    cpu_with(monkeypatch, avx512_bf16=False, amx_bf16=False)  # AVX512 without bf16 units: emulated, slow
+    p = resolve_precision("auto", cpu)
+    assert (p.name, p.dtype) == ("no", None) and "no bf16 units" in p.reason
+    assert "auto would choose no" in resolve_precision("bf16", cpu).reason  # an explicit setting is kept
+    monkeypatch.setenv(UNITS_ENV, "avx512_bf16")  # named instead of detected
+    assert resolve_precision("auto", cpu).name == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert resolve_precision("auto", gpu) == "bf16"
+    assert resolve_precision("auto", gpu).name == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert resolve_precision("auto", gpu) == "fp16"  # + accelerate's grad scaler
+    assert resolve_precision("auto", gpu).name == "fp16"  # + accelerate's grad scaler
     with pytest.raises(ConfigError, match="fp16 needs a CUDA GPU"):
         resolve_precision("fp16", cpu)
     monkeypatch.undo()
@@ -195,3 +215,26 @@ def test_mixed_precision_auto_and_bf16_on_cpu(tmp_path, monkeypatch):
     m = train_model(model, cls_rows(8), None, tcfg(micro_batch_size=4, max_steps=2, mixed_precision="bf16"),
                     "seq_cls", PAD, tmp_path / "o", tmp_path / "w", log)
     assert m["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
+    assert "auto would choose no" in m["precision_reason"]  # the suite's CPU has no bf16 units (conftest)
+
+
+@needs_shared_data
+def test_the_precision_auto_resolves_to_is_in_the_train_and_evaluate_keys(monkeypatch):
+    """A machine with bf16 units and one without never share a train (or evaluate) artifact: `auto` is
+    resolved before the keys; an explicit setting equal to the resolved one shares it (the same work)."""
+    from stages.engine.config import load_pipeline
+    from stages.graph import plan
+
+    def keys(*sets: str) -> dict[str, object]:
+        return {p.stage.name: p.key for p in plan(load_pipeline("tiny-imdb", list(sets)))}
+
+    cpu_with(monkeypatch, avx512_bf16=True)
+    with_units = keys()
+    cpu_with(monkeypatch, avx512_bf16=False)
+    without = keys()
+    assert with_units["train"].params["train"]["mixed_precision"] == "bf16"
+    assert without["train"].params["train"]["mixed_precision"] == "no"
+    assert without["evaluate"].params["train.mixed_precision"] == "no"
+    differ = {s for s in with_units if with_units[s].key != without[s].key}
+    assert differ == {"train", "evaluate", "export"}  # export: train's key is its upstream
+    assert keys("train.mixed_precision=bf16")["train"].key == with_units["train"].key
