@@ -1,7 +1,6 @@
 """Train stage: an explicit loop over a model made trainable by the adapters stage.
 
     setup (TrainRun.__init__)  ->  loop over optimizer steps (TrainRun.train)  ->  cleanup (TrainRun.finish)
-
 Setup: precision (`auto`: bf16 on GPUs that have it and on CPUs with bf16 units, fp16 + grad scaler on older
 GPUs, else fp32; resolved before any key, so the key holds the precision used) and accelerate's Accelerator
 (stages/common/device.py), optimizer and schedule (stages/common/optim.py), the latest resume checkpoint.
@@ -16,11 +15,9 @@ out-of-memory error halves the micro-batch and doubles accumulation (the same ef
 retries the step. Before each optimizer step the gradient norm is measured and the step checked for
 divergence; validation runs at each epoch end and every `train.eval_every` steps, and may keep the best
 weights and stop early (stages/common/health.py). What the run shows and leaves: stages/common/runlog.py.
-Ctrl-C or SIGTERM: a resume checkpoint at the last finished step (the step in progress abandoned at its next
-micro-batch), then the signal takes its course (stages/common/interrupt.py); the next run resumes there.
+Ctrl-C / SIGTERM: a checkpoint at the last finished step, then the signal (stages/common/interrupt.py).
 
-Cleanup: metrics and plot into the artifact; with train.select_best the best weights are loaded back (the
-last ones beside them, in last/); `run` saves the trained weights (PEFT adapter for LoRA, else the model).
+Cleanup: metrics and plot; select_best loads the best weights back (the last in last/).
 
 Several processes (train.num_processes > 1): `run` starts itself under `accelerate launch` (stages/
 common/distributed.py), one process per GPU (gloo processes on CPU). Effective batch = micro-batch x
