@@ -390,7 +390,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     elif method == "full":
         if not (trained / LOAD_INFO).is_file():
             raise ConfigError(f"{trained}: not a full-finetune model; rerun the train stage")
-        model = load_trained(model_dir, ctx.upstream["adapters"], train_dir).to(dtype)
+        loaded: Any = load_trained(model_dir, ctx.upstream["adapters"], train_dir)  # (PreTrainedModel.to's stub)
+        model = loaded.to(dtype)
         model.config.dtype = dtype
         save_hf(model, out, gen)
         facts.update(dtype=x.merged_dtype)

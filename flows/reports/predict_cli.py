@@ -84,7 +84,7 @@ def read_texts(path: Path, column: str) -> list[str]:
     if empty:
         raise ConfigError(f"--file {path}: column '{column}' is empty or not text in row {empty[0] + 1} "
                           f"({len(empty)} rows); remove or fill those rows")
-    return texts
+    return [str(t) for t in texts]
 
 
 def finetune_command(cfg: Any, config: Path) -> str:

@@ -18,8 +18,9 @@ from stages.common.progress import iterate
 log = logging.getLogger("finetune.inference")
 
 
-def forward(model: torch.nn.Module, *, generate: bool = False, **inputs: Any) -> Any:
-    """The one model call of inference: `model(**inputs)`, or `model.generate(**inputs)`."""
+def forward(model: Any, *, generate: bool = False, **inputs: Any) -> Any:
+    """The one model call of inference: `model(**inputs)`, or `model.generate(**inputs)` (a transformers
+    model: GenerationMixin's, which torch.nn.Module lacks)."""
     return model.generate(**inputs) if generate else model(**inputs)
 
 
@@ -53,7 +54,7 @@ def padded(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torc
     return ids, mask
 
 
-def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any]:
+def generation_kwargs(e: Any, tok: Any, model: Any) -> dict[str, Any]:
     """Greedy (num_beams 1) or beam search from an `evaluate` section; length_penalty only means something
     with beams. Generation stops at the token the targets were tokenized to end with (the tokenizer's
     closing special)."""
@@ -65,7 +66,7 @@ def generation_kwargs(e: Any, tok: Any, model: torch.nn.Module) -> dict[str, Any
     return kw
 
 
-def stop_token(tok: Any, model: torch.nn.Module) -> int | None:
+def stop_token(tok: Any, model: Any) -> int | None:
     """The token the targets were tokenized to end with (the tokenizer's closing special), else EOS."""
     _, tail = special_affixes(tok)
     return tail[-1] if tail else (tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id)

@@ -61,7 +61,8 @@ class DeferredStop:
 
     @property
     def name(self) -> str:
-        return {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}.get(self.signum, f"signal {self.signum}")
+        names = {int(signal.SIGINT): "Ctrl-C (SIGINT)", int(signal.SIGTERM): "SIGTERM"}
+        return names.get(self.signum, f"signal {self.signum}") if self.signum is not None else "a signal"
 
     @property
     def requested(self) -> bool:

@@ -208,6 +208,7 @@ def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
     `layers` keeps the file's (`own`) and the project's (`project`) apart for `extends`."""
     path = Path(path)
     own = _anchored_doc(path)
+    project: dict[str, Any]
     if is_project_file(path) or not DEFAULT_PIPELINE_FILE.is_file():
         project = {"defaults": {}, "pipelines": {}, "sweeps": {}}
     else:
@@ -277,7 +278,7 @@ def validate_sweep(name: str, body: dict, where: str, doc: dict | None = None) -
     return sweep
 
 
-def _chain(doc: dict, name: str) -> list[tuple[str, dict]]:
+def _chain(doc: dict, name: str | None) -> list[tuple[str, dict]]:
     """The pipeline and the pipelines it extends, nearest first, each as (where it is written, body). A
     pipeline of the user's file extends the file's pipeline of that name, else (or when it names itself)
     the project's."""

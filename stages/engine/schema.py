@@ -5,13 +5,13 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from stages.engine.choices import choice_of
 from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
@@ -22,16 +22,6 @@ def runtime(default: Any = None, **kw: Any) -> Any:
     return Field(default, json_schema_extra={"runtime": True}, **kw)
 
 
-# YAML 1.1 reads the words no / off / yes / on (and false / true) as booleans: in a field of choices they mean
-# the choice of that word (train.mixed_precision: no).
-BOOL_WORDS = {False: ("no", "off", "false", "none"), True: ("yes", "on", "true")}
-
-
-def _choices(annotation: Any) -> tuple[str, ...]:
-    """The string choices of a Literal field (also inside `X | None`); () for any other field."""
-    if typing.get_origin(annotation) is Literal:
-        return tuple(a for a in typing.get_args(annotation) if isinstance(a, str))
-    return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
 def is_runtime(field: FieldInfo) -> bool:
     """A field made with `runtime(...)`: it does not change outputs, so it stays out of cache keys."""
     extra = field.json_schema_extra
@@ -49,10 +39,8 @@ class Section(BaseModel):
         out = dict(data)
         for name, value in data.items():
             field = cls.model_fields.get(name)
-            if isinstance(value, bool) and field is not None:
-                words = [w for w in BOOL_WORDS[value] if w in _choices(field.annotation)]
-                if words:
-                    out[name] = words[0]
+            if isinstance(value, bool) and field is not None and (word := choice_of(value, field.annotation)):
+                out[name] = word
         return out
 
     def cache_dict(self) -> dict[str, Any]:
@@ -393,6 +381,18 @@ class PipelineConfig(BaseModel):
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); a stage that "
                                  "reads them sees those of the fields it reads")
+    config_file: str | None = runtime(None, description="the user's pipeline file this config was loaded from, "
+                                      "absolute (set by the loader; null for the project's pipeline.yaml): "
+                                      "commands the project prints repeat it as --config")
+
+    @model_validator(mode="after")
+    def _select_best_is_validated(self) -> PipelineConfig:
+        sb = self.train.select_best
+        names = VALIDATION_METRICS.get(self.model.task, ("loss",))
+        if sb is not None and sb.metric.removeprefix("val_") not in names:
+            raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
+                             f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
+        return self
 
     def overrides_within(self, reads: Iterable[str]) -> list[str]:
         """The `--set` overrides that set a keyed (not runtime) field under one of the dotted paths `reads`:
