@@ -38,6 +38,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="flows.predict's (its default)")
+    p.add_argument("--precision", default="auto", help="flows.predict's autocast (auto: bf16 on CPUs with bf16 units)")
     args = p.parse_args()
 
     import torch
@@ -62,7 +63,7 @@ def main() -> int:
     labels: dict[str, list[str]] = {}
     for _ in range(args.repeats):
         t = time.perf_counter()
-        ours = predict(ex, texts, args.batch_size)
+        ours = predict(ex, texts, args.batch_size, precision=args.precision)
         times["flows.predict"].append(time.perf_counter() - t)
         labels["flows.predict"] = [r["label"] for r in ours]
         t = time.perf_counter()

@@ -43,6 +43,8 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     p.add_argument("--max-new-tokens", type=int, help="generation: tokens to generate (default: the export's)")
     p.add_argument("--num-beams", type=int, help="generation: beams (default: the export's)")
+    p.add_argument("--precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+                   help="autocast of the forward passes; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override of the pipeline whose export to use (repeatable)")
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
                if v is not None}
         if gen and ex.task == "seq_cls":
             raise ConfigError("--max-new-tokens / --num-beams: this export is a classifier; drop them")
-        records = predict(ex, texts, args.batch_size, gen)
+        records = predict(ex, texts, args.batch_size, gen, args.precision)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:

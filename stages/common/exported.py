@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.common.device import autocast, resolve_precision
 from stages.common.hf import special_affixes
 from stages.common.inference import class_logits, device_for, generate
 from stages.common.model_loading import AUTO_CLASSES, quiet_transformers
@@ -76,11 +77,20 @@ def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
     return ids
 
 
-def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dict[str, Any] | None = None
-            ) -> list[dict[str, Any]]:
-    """One record per text, in order: {"label", "probability", "probabilities"} or {"generated"}."""
+def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dict[str, Any] | None = None,
+            precision: str = "auto") -> list[dict[str, Any]]:
+    """One record per text, in order: {"label", "probability", "probabilities"} or {"generated"}. The forward
+    passes autocast in `precision` (auto: bf16 on GPUs and CPUs with bf16 units, else fp32; as training's)."""
     ids = token_ids(ex, texts)
     device = device_for(ex.model)
+    chosen = resolve_precision(precision, device)
+    log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
+    with autocast(chosen, device):
+        return _predict(ex, ids, batch_size, overrides, device)
+
+
+def _predict(ex: Exported, ids: list[list[int]], batch_size: int, overrides: dict[str, Any] | None,
+             device: Any) -> list[dict[str, Any]]:
     if ex.task == "seq_cls":
         probs = class_logits(ex.model, ids, ex.tok.pad_token_id, batch_size, device, "predict", log).softmax(-1)
         names = [ex.model.config.id2label[i] for i in range(probs.shape[-1])]
