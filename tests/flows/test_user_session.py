@@ -132,12 +132,6 @@ def test_a_users_session_end_to_end(tmp_path):
     assert re.search(r"^evaluate\s+stale", status, re.M) and re.search(r"^train\s+cached", status, re.M), status
     run(printed(status, "run:"), home, env)  # inspect status's printed command, as printed
 
-    # the card's reproduce lines, from the export's folder (where its config file is)
-    export = Path(run([*py, "flows.inspect", "path", NAME, "export", *cfg], home, env).strip().splitlines()[-1])
-    card = (export / "README.md").read_text()
-    evaluate_only = next(line for line in card.splitlines() if line.endswith("--only evaluate"))
-    run(evaluate_only, export, env)
-
     # 4. a named ad-hoc sweep, compared by the command it prints
     out = run([*py, "flows.sweep", NAME, *cfg, "--grid", "train.lr=1e-3,2e-3", "--name", "lrs"], home, env)
     table = run(printed(out, "compare:"), home, env)
@@ -146,3 +140,11 @@ def test_a_users_session_end_to_end(tmp_path):
     # 5. the run history
     runs = run([*py, "flows.inspect", "runs", *cfg], home, env)
     assert "evaluate.batch_size=4" in runs and "train.lr=0.002" in runs, runs
+
+    # 6. the card's evaluate-only line, from the export's folder (where its config file is). KNOWN BUG (h7):
+    # the exported finetune_pipeline.yaml drops data.path (a runtime field), so for source: local this fails
+    # with "source 'local' needs data.path" until the export writes it; last so the rest is checked first.
+    export = Path(run([*py, "flows.inspect", "path", NAME, "export", *cfg], home, env).strip().splitlines()[-1])
+    card = (export / "README.md").read_text()
+    evaluate_only = next(line for line in card.splitlines() if line.endswith("--only evaluate"))
+    run(evaluate_only, export, env)
