@@ -1,5 +1,6 @@
 """`pip install .` (not editable) ships everything: the wheel built from the checkout, installed into a fresh
-venv outside it, runs tiny-imdb from a folder outside the repo, with its store (artifacts/) in that folder."""
+venv outside it, runs tiny-imdb from a folder outside the repo (without Prefect, then as a Prefect flow), with
+its store (artifacts/) and Prefect home (.prefect/) in that folder."""
 
 from __future__ import annotations
 
@@ -93,3 +94,9 @@ def test_installed_wheel_runs_tiny_imdb_outside_the_repo(wheel, tmp_path):
     # the console script from the wheel reads the same store and finds every stage cached
     status = _sh([str(venv / "bin" / "finetune"), "inspect", "status", "tiny-imdb"], cwd=work, env=env)
     assert "7 of 7 stages cached" in status.stdout, status.stdout
+
+    # and runs the Prefect flow on it (every stage a store hit), its Prefect home under the current directory
+    flow = _sh([str(venv / "bin" / "finetune"), "run", "tiny-imdb"], cwd=work, env=env)
+    out = flow.stdout + flow.stderr
+    assert f"store: {work / 'artifacts'}" in out and " computed " not in out, out[-3000:]
+    assert (work / ".prefect").is_dir()
