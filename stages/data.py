@@ -26,8 +26,8 @@ import pandas as pd
 from stages.common import aclimdb
 from stages.common.arrow import write_arrow
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, DataError, MissingInputError
+from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.runner import StageContext
 from stages.engine.schema import DataConfig, PipelineConfig
 
@@ -46,7 +46,7 @@ def mirror_root(data_cfg: DataConfig) -> Path | None:
         return None
     path = Path(raw).expanduser()
     if not path.is_absolute():
-        path = PROJECT_ROOT / path
+        path = work_root() / path
     return path if path.is_dir() else None
 
 

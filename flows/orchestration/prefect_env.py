@@ -1,5 +1,5 @@
 """The project's Prefect defaults, set before Prefect is first imported unless the user already set them:
-PREFECT_HOME inside the project (git-ignored), a server startup timeout that covers a first start on a slow
+PREFECT_HOME inside the project (git-ignored; an installed wheel: .prefect/ in the current directory), a server startup timeout that covers a first start on a slow
 machine (24-30 s measured; Prefect's default is 20 s), the temporary server on loopback, analytics off.
 
 Also the `finetune` logger at INFO: Prefect copies a handler to an extra logger but not a level, so under
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+from stages.engine.paths import work_root
 
 PREFECT_DEFAULTS = {
-    "PREFECT_HOME": str(PROJECT_ROOT / ".prefect"),
+    "PREFECT_HOME": str(work_root() / ".prefect"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_API_HOST": "127.0.0.1",

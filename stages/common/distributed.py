@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine import errors
-from stages.engine.config import PROJECT_ROOT
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
+from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.store import write_json_atomic
 
 TAIL_LINES = 25
@@ -132,7 +132,7 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
              else f"port {port}")
     log.info("%s: launching %d processes (%s): %s", what, num_processes, where, " ".join(cmd[1:]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=PROJECT_ROOT, start_new_session=True)  # its own group: we can stop all of it
+                            cwd=work_root(), start_new_session=True)  # its own group: we can stop all of it
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     try:
         assert proc.stdout is not None

@@ -15,15 +15,16 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from stages.engine.errors import ConfigError
+from stages.engine.paths import PIPELINE_FILE, work_root
 from stages.engine.schema import PipelineConfig, SweepConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PIPELINE_FILE = PROJECT_ROOT / "pipeline.yaml"
+DEFAULT_PIPELINE_FILE = PIPELINE_FILE
 
 
 def store_root() -> str:
-    """The artifact store: $FINETUNE_STORE (a path or an fsspec URL), else artifacts/ in the project."""
-    return os.environ.get("FINETUNE_STORE") or str(PROJECT_ROOT / "artifacts")
+    """The artifact store: $FINETUNE_STORE (a path or an fsspec URL), else artifacts/ in the project (an
+    installed wheel: in the current directory)."""
+    return os.environ.get("FINETUNE_STORE") or str(work_root() / "artifacts")
 
 
 # ---------------------------------------------------------------- loading

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.codegraph import CodeGraph, code_graph, source_signature
-from stages.engine.config import PROJECT_ROOT
 from stages.engine.parallel import map_chunks
+from stages.engine.paths import PROJECT_ROOT
 
 OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
 UNRESOLVED = "unresolved"  # a dependency (a hub revision) whose identity could not be pinned when planning

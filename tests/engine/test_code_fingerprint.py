@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import BILLSUM, IMDB, ROOT, needs_shared_data
 
+from stages.engine import store as store_module
 from stages.engine.codegraph import CodeGraph
 from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import code_fingerprint
@@ -172,11 +173,17 @@ def defined_at(module: str, name: str, value: object) -> str | None:
 def traced_graph(seen: dict[str, set[str]]) -> list:
     def wrap(st):
         def body(ctx):
-            with Tracer() as t:
-                try:
-                    return st.body(ctx)
-                finally:
-                    seen.setdefault(st.name, set()).update(t.objects())
+            # The store's work hook (publish a checkpoint to a shared store) is the runner's, like the log
+            # handlers below: where a resumable state is copied to never changes what the stage computes.
+            hook = store_module._work_saved.set(None)
+            try:
+                with Tracer() as t:
+                    try:
+                        return st.body(ctx)
+                    finally:
+                        seen.setdefault(st.name, set()).update(t.objects())
+            finally:
+                store_module._work_saved.reset(hook)
         return replace(st, body=body)
     return [wrap(st) for st in STAGES]
 

@@ -225,7 +225,7 @@ def test_runs_lists_every_run_with_its_set_list_stage_outcomes_and_metrics(env, 
     assert set(first["stages"].values()) == {"computed"} and first["status"] == "completed"
     assert first["train_seconds"] > 0 and "splits.test.accuracy" in first["metrics"]
     assert changed["set"] == ["evaluate.max_examples=4"] and changed["status"] == "completed"
-    assert [s for s, v in changed["stages"].items() if v == "computed"] == ["evaluate"]
+    assert [s for s, v in changed["stages"].items() if v == "computed"] == ["evaluate", "export"]  # export follows evaluate (its card)
     assert swept["sweep"] == "my-sweep" and set(swept["stages"].values()) == {"cached"}
     assert failed["status"] == "failed" and failed["stages"]["evaluate"] == "failed"
     assert "disk on fire" in failed["error"]

@@ -248,7 +248,7 @@ def test_string_labels_map_to_sorted_ids_with_num_labels_inferred_end_to_end(tmp
     assert model_config["id2label"] == {"0": "neg", "1": "pos"} and model_config["label2id"] == {"neg": 0, "pos": 1}
     assert out["model"].manifest["config"]["model"]["num_labels"] == 2  # inferred, and in the model key
 
-    exported = json.loads((out["export"].path / "model" / "config.json").read_text())
+    exported = json.loads((out["export"].path / "config.json").read_text())
     assert exported["id2label"] == {"0": "neg", "1": "pos"}
     assert "| 0 | neg |\n| 1 | pos |" in (out["export"].path / "README.md").read_text()
     preds = [json.loads(ln) for ln in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]

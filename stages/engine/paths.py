@@ -1,0 +1,30 @@
+"""Where the project's files are. A source checkout keeps its pipeline.yaml, artifacts/ and .prefect/ at its
+top; an installed wheel (`pip install .`) carries pipeline.yaml inside the package and keeps artifacts/ and
+.prefect/ in the current directory, since its own folder is site-packages. Imports nothing heavy: the
+Prefect defaults read it before Prefect is imported."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+# The folder holding stages/ and flows/: the checkout's top, or site-packages for an installed wheel.
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The copy of pipeline.yaml the wheel carries (the build copies the checkout's top-level file there).
+PACKAGED_PIPELINE_FILE = Path(__file__).resolve().parents[1] / "pipeline.yaml"
+
+
+def _is_checkout(root: Path) -> bool:
+    try:
+        return tomllib.loads((root / "pyproject.toml").read_text()).get("project", {}).get("name") == "finetune"
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
+SOURCE_CHECKOUT = _is_checkout(PROJECT_ROOT)
+PIPELINE_FILE = PROJECT_ROOT / "pipeline.yaml" if SOURCE_CHECKOUT else PACKAGED_PIPELINE_FILE
+
+
+def work_root() -> Path:
+    """The folder relative state lives in (artifacts/, .prefect/): the checkout, else the current directory."""
+    return PROJECT_ROOT if SOURCE_CHECKOUT else Path.cwd()
