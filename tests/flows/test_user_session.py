@@ -141,9 +141,8 @@ def test_a_users_session_end_to_end(tmp_path):
     runs = run([*py, "flows.inspect", "runs", *cfg], home, env)
     assert "evaluate.batch_size=4" in runs and re.search(r"train\.lr=(0\.002|2e-3|2e-03)", runs), runs
 
-    # 6. the card's evaluate-only line, from the export's folder (where its config file is). KNOWN BUG (h7):
-    # the exported finetune_pipeline.yaml drops data.path (a runtime field), so for source: local this fails
-    # with "source 'local' needs data.path" until the export writes it; last so the rest is checked first.
+    # 6. the card's evaluate-only line, from the export's folder (where its config file is; for local data it
+    # carries data.path, resolved)
     export = Path(run([*py, "flows.inspect", "path", NAME, "export", *cfg], home, env).strip().splitlines()[-1])
     card = (export / "README.md").read_text()
     evaluate_only = next(line for line in card.splitlines() if line.endswith("--only evaluate"))
