@@ -15,6 +15,8 @@ PACKAGED_PIPELINE_FILE = Path(__file__).resolve().parents[1] / "pipeline.yaml"
 
 
 def _is_checkout(root: Path) -> bool:
+    if (root / "pipeline.yaml").is_file() and not (root / "stages" / "pipeline.yaml").is_file():
+        return True  # a copy of the source tree (the wheel carries stages/pipeline.yaml, a checkout never)
     try:
         return tomllib.loads((root / "pyproject.toml").read_text()).get("project", {}).get("name") == "finetune"
     except (OSError, tomllib.TOMLDecodeError):
