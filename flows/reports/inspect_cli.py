@@ -119,7 +119,7 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
     ru = sub.add_parser("runs", help="every run the store saw: when, pipeline, --set, stages, metrics, train time")
     ru.add_argument("pipeline", nargs="?", help="only this pipeline's runs")
     ru.add_argument("--sweep", help="only the runs of this sweep")
-    add_config_option(ru)  # the store is the same for every file; a PIPELINE must be one of the file's
+    add_config_option(ru)  # accepted like everywhere; the store, not the file, holds the runs
     fmt = ru.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable output")
     fmt.add_argument("--csv", action="store_true", help="one CSV line per run")
@@ -138,8 +138,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
         if args.command == "diff":
             return cmd_diff(args, store)
         if args.command == "runs":
-            if args.pipeline is not None:
-                load_pipeline(args.pipeline, [], args.config)  # an unknown name: one line naming the file's
             print(runs.report(store, args.pipeline, args.sweep, args.json, args.csv))
             return 0
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
