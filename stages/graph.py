@@ -89,7 +89,9 @@ STAGES: list[Stage] = [
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
         # Downstream of evaluate: the card carries its metrics, generation_config.json its settings; `overrides`
         # are the --set options of these sections (the card's reproduce command), runtime ones dropped.
-        reads=("name", "description", "overrides", *CARD_SECTIONS),
+        # data.path: runtime for the data stage (its content is in that key), but the exported pipeline file
+        # names it, so it is in this key: a moved data file re-exports rather than ship its old location.
+        reads=("name", "description", "overrides", *CARD_SECTIONS, "data.path"),
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),

@@ -43,8 +43,9 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     p.add_argument("--max-new-tokens", type=int, help="generation: tokens to generate (default: the export's)")
     p.add_argument("--num-beams", type=int, help="generation: beams (default: the export's)")
-    p.add_argument("--precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
-                   help="autocast of the forward passes; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
+    p.add_argument("--precision", choices=("export", "auto", "no", "bf16", "fp16"), default="export",
+                   help="autocast of the forward passes; export (default): the precision the run evaluated in, "
+                   "so predictions.jsonl reproduces; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override of the pipeline whose export to use (repeatable)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.common.device import autocast, resolve_precision
+from stages.common.device import Precision, autocast, resolve_precision
 from stages.common.hf import special_affixes
 from stages.common.inference import class_logits, device_for, generate
 from stages.common.model_loading import AUTO_CLASSES, quiet_transformers
@@ -32,6 +32,7 @@ class Exported:
     prefix: str
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
+    precision: str = "auto"  # train.mixed_precision as resolved for the run (the evaluate stage's autocast)
 
 
 def is_export(folder: Path) -> bool:
@@ -64,7 +65,7 @@ def load_export(folder: Path | str) -> Exported:
         generation = {"generation_config": gen}
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], settings["tokenize"]["max_length"],
-                    generation)
+                    generation, settings.get("train", {}).get("mixed_precision", "auto"))
 
 
 def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
@@ -77,13 +78,23 @@ def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
     return ids
 
 
+def export_precision(ex: Exported, device: Any) -> Precision:
+    """The precision the run's evaluate stage computed in (train.mixed_precision, resolved on the machine that
+    trained): predictions then match predictions.jsonl on any machine. fp16 off a GPU cannot run: auto then."""
+    if ex.precision == "auto" or (ex.precision == "fp16" and getattr(device, "type", device) != "cuda"):
+        auto = resolve_precision("auto", device)
+        return Precision(auto.name, f"the export was evaluated in {ex.precision}, not possible here; {auto.reason}")
+    return Precision(ex.precision, f"as the export was evaluated (train.mixed_precision {ex.precision})")
+
+
 def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dict[str, Any] | None = None,
-            precision: str = "auto") -> list[dict[str, Any]]:
+            precision: str = "export") -> list[dict[str, Any]]:
     """One record per text, in order: {"label", "probability", "probabilities"} or {"generated"}. The forward
-    passes autocast in `precision` (auto: bf16 on GPUs and CPUs with bf16 units, else fp32; as training's)."""
+    passes autocast in `precision`: export (the precision evaluate used, so its predictions reproduce), or
+    auto (bf16 on GPUs and CPUs with bf16 units, else fp32), no, bf16, fp16."""
     ids = token_ids(ex, texts)
     device = device_for(ex.model)
-    chosen = resolve_precision(precision, device)
+    chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
     log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
     with autocast(chosen, device):
         return _predict(ex, ids, batch_size, overrides, device)

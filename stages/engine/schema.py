@@ -5,10 +5,11 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from stages.engine.choices import choice_of
@@ -92,8 +93,9 @@ class DataConfig(Section):
         "file(s) at `path`.")
     path: str | None = runtime(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
                                "an aclImdb folder or aclImdb_v1.tar.gz; relative: to the config file's folder (a "
-                               "--set value: to the current directory). Its files' content (and their names) is "
-                               "in the key, not the path: moving the file keeps the cache; the manifest records it")
+                               "--set value: to the current directory), made absolute when loaded. Its files' "
+                               "content (and their names) is in the data stage's key, not the path: moving the "
+                               "file keeps the cache, but for the export stage, whose pipeline file names it")
     hub_id: str | None = Field(None, description="dataset id on the hub; default stanfordnlp/imdb or billsum")
     hub_revision: str | None = Field(None, description="branch, tag or commit of the hub dataset; default its "
                                      "main branch")
@@ -113,6 +115,14 @@ class DataConfig(Section):
     split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # the export key holds the path as written: a relative one would mean another file from another folder
+        if v is None or "://" in v:
+            return v
+        return os.path.abspath(os.path.expanduser(v))
 
     @model_validator(mode="after")
     def _local_needs_path(self) -> DataConfig:

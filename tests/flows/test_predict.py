@@ -70,6 +70,38 @@ def test_a_pipeline_name_uses_its_current_export_and_generates_the_evaluated_tex
     assert "no current export (" in capsys.readouterr().err
 
 
+def test_predict_computes_in_the_precision_the_export_was_evaluated_in(runs, tmp_path, monkeypatch, caplog):
+    """Default `--precision export`: the run's resolved train.mixed_precision, not this machine's auto, so a
+    machine with bf16 units reproduces an export evaluated in fp32 (and the other way round); `auto` is this
+    machine's choice."""
+    import logging
+    import shutil
+
+    texts, expected = evaluated(runs["imdb"])
+    folder = runs["imdb"]["export"].path
+    monkeypatch.setenv("FINETUNE_CPU_BF16_UNITS", "avx512_bf16")  # this machine: bf16 units
+    out = tmp_path / "p.jsonl"
+
+    def chosen(*argv: str) -> str:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="finetune.predict"):
+            assert main([*argv, "--text", texts[0], "--text", texts[1], "--out", str(out)]) == 0
+        return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("predict: device"))
+
+    assert chosen(str(folder)) == ("predict: device cpu, precision no (as the export was evaluated "
+                                   "(train.mixed_precision no))")
+    assert [json.loads(ln)["label"] for ln in out.read_text().splitlines()] == expected[:2]
+    assert "precision bf16 (auto: the CPU has bf16 units (avx512_bf16))" in chosen(str(folder), "--precision", "auto")
+
+    bf16 = tmp_path / "bf16-export"
+    shutil.copytree(folder, bf16)
+    settings = json.loads((bf16 / "finetune_pipeline.json").read_text())
+    settings["train"]["mixed_precision"] = "bf16"
+    (bf16 / "finetune_pipeline.json").write_text(json.dumps(settings))
+    monkeypatch.setenv("FINETUNE_CPU_BF16_UNITS", "")  # a machine without them still computes as evaluated
+    assert "precision bf16 (as the export was evaluated (train.mixed_precision bf16))" in chosen(str(bf16))
+
+
 @pytest.mark.parametrize("content,name,argv,message", [
     ("id,body\n1,good\n", "a.csv", [], "no column 'text' (it has id, body); pass --text-column"),
     ("", "a.csv", [], "no rows"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers import SHARED_DATA, needs_shared_data, run
+from helpers import SHARED_DATA, computed, needs_shared_data, run
 
 from stages import data as data_stage
 from stages.common import aclimdb, arrow
@@ -345,6 +345,31 @@ def test_moving_the_data_file_keeps_the_data_key(tmp_path, store_dir):
     assert not again.computed and again.key == first.key
     moved.write_text(moved.read_text().replace("review number 3", "review number three"))
     assert run("tiny-imdb", *LOCAL, f"data.path={moved}", until="data")["data"].computed  # the content is in it
+
+
+def test_a_moved_data_file_re_exports_a_pipeline_file_that_names_where_it_is(tmp_path, store_dir, monkeypatch):
+    """Only the export stage is keyed on data.path (its finetune_pipeline.yaml names the file): after a move,
+    every other stage is a hit and the exported file names the new place; a relative --set path is made
+    absolute, so the same words from another folder are another key."""
+    import yaml
+
+    path = write_local(tmp_path, "csv")
+    sets = (*LOCAL, "train.max_steps=1", "evaluate.max_examples=2")
+
+    def exported_path(out: dict) -> str:
+        doc = yaml.safe_load((out["export"].path / "finetune_pipeline.yaml").read_text())
+        return doc["pipelines"]["tiny-imdb"]["data"]["path"]
+
+    monkeypatch.chdir(tmp_path)
+    first = run("tiny-imdb", *sets, "data.path=reviews.csv")
+    assert exported_path(first) == str(path)
+    moved = tmp_path / "elsewhere" / path.name
+    moved.parent.mkdir()
+    path.rename(moved)
+    monkeypatch.chdir(moved.parent)
+    again = run("tiny-imdb", *sets, "data.path=reviews.csv")  # the same words, another file's place
+    assert computed(again) == {"export"} and again["data"].key == first["data"].key
+    assert again["export"].key != first["export"].key and exported_path(again) == str(moved)
 
 
 def test_imdb_and_acl_imdb_name_their_labels_neg_pos(tmp_path, store_dir):
