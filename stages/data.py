@@ -19,17 +19,16 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from stages.common import aclimdb
-from stages.common.arrow import write_arrow
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.runner import StageContext
 from stages.engine.schema import DataConfig, PipelineConfig
+
+if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so planning a cached run imports neither
+    import pandas as pd
 
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 DEFAULT_TARGET = {"billsum": "summary"}
@@ -91,6 +90,8 @@ def source_deps(cfg: PipelineConfig) -> dict[str, str]:
 
 
 def _read_table(path: Path) -> pd.DataFrame:
+    import pandas as pd
+
     name = path.name.lower()
     if name.endswith((".csv", ".csv.gz")):
         return pd.read_csv(path, keep_default_na=False)
@@ -113,6 +114,10 @@ def _split_of(name: str) -> str | None:
 
 
 def _read_local(path: Path) -> dict[str, pd.DataFrame]:
+    import pandas as pd
+
+    from stages.common import aclimdb
+
     if path.is_dir() and (path / "train" / "pos").is_dir():
         return aclimdb.read_folder(path)
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
@@ -145,6 +150,8 @@ def _read_hub(cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
 
 
 def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
+    import pandas as pd
+
     if cfg.data.source == "local" or cfg.data.path:
         path = local_path(cfg.data.path)
         return _read_local(path), f"local:{path}"
@@ -164,6 +171,8 @@ def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
 
 def label_ids(values: pd.Series, names: list[str] | None, num_labels: int | None, split: str) -> Any:
     """Class ids of a label column: integer ids as they are, names by their position in `names`."""
+    import pandas as pd
+
     ids = pd.to_numeric(values, errors="coerce")
     if names is not None and (ids.isna() | (ids % 1 != 0)).any():  # names: id = position in data.label_names
         ids = values.astype(str).map({n: i for i, n in enumerate(names)})
@@ -189,6 +198,8 @@ MISSING_WORDS = ("nan", "na", "n/a", "null", "none")  # a CSV cell holding one o
 def _label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColumn:
     """The label column of one file, summarised (LabelColumn). Cached per file version: plans run often,
     the column is read once."""
+    import pandas as pd
+
     p = Path(path)
     name = p.name.lower()
     try:
@@ -326,6 +337,8 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 
 def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
     """Keep id/text/label/target with stable ids; check columns and labels."""
+    import pandas as pd
+
     d, task = cfg.data, cfg.model.task
     target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
     out = {}
@@ -361,6 +374,8 @@ def _carve(df: pd.DataFrame, size: int | float, seed: int, what: str) -> tuple[p
 
 
 def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
+    import pandas as pd
+
     sp = cfg.data.split
     if sp.mode == "shuffle_concat":
         order = [s for s in ("test", "train", "validation") if s in frames]
@@ -394,6 +409,8 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
+    from stages.common.arrow import write_arrow
+
     cfg = ctx.cfg
     frames, origin = load_source(cfg)
     splits = split(normalise(frames, cfg), cfg)

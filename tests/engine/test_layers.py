@@ -29,7 +29,7 @@ def test_no_module_over_about_400_lines():
     assert not {str(p): n for p, n in sizes.items() if n > MAX_LINES}
 
 
-def test_planning_imports_no_torch_or_transformers():
+def test_planning_imports_no_torch_transformers_or_pandas():
     """The graph names the stage bodies without importing them (runner.Lazy), and `auto` precision is
     resolved from the CPU's flags: planning, all a run whose every stage is a store hit does before its
     hits, imports none of the libraries the bodies compute with (on a machine without a GPU driver: with
@@ -41,7 +41,8 @@ def test_planning_imports_no_torch_or_transformers():
     code = ("import sys; from stages.engine.config import load_pipeline; from stages.graph import plan; "
             "items = plan(load_pipeline('tiny-imdb', [])); "
             "print(items[4].key.params['train']['mixed_precision'], "
-            "sorted(m for m in ('torch', 'transformers', 'peft', 'accelerate', 'datasets') if m in sys.modules))")
+            "sorted(m for m in ('torch', 'transformers', 'peft', 'accelerate', 'datasets', 'pandas', 'pyarrow', "
+            "'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "FINETUNE_CPU_BF16_UNITS": "avx512_bf16"})
     assert out.returncode == 0, out.stderr[-3000:]
