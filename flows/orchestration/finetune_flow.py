@@ -36,9 +36,9 @@ def run_one(cfg: PipelineConfig, item: Planned, store: Store, done: dict[str, Ou
         return user_error(e)
     if outcome.reason == JOINED:  # trained with another machine, which commits and publishes the artifact
         return Completed(name="Joined", message=outcome.manifest.get("role"), data=outcome)
-    publish(cfg.name, outcome)
-    if not outcome.computed:
+    if not outcome.computed:  # no upload: the artifacts under its stable keys are still the computed run's
         return Completed(name="Cached", message=f"store hit {outcome.key[:12]}", data=outcome)
+    publish(cfg.name, outcome)
     return outcome
 
 

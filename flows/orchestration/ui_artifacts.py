@@ -1,5 +1,7 @@
 """What the Prefect UI shows of each stage: a table artifact of its manifest under a stable key
-(`<pipeline>-<stage>`), the train stage's loss curve, the evaluate stage's metrics, what export wrote."""
+(`<pipeline>-<stage>`), the train stage's loss curve, the evaluate stage's metrics, what export wrote.
+Published when a stage computes; a store hit uploads nothing (its task ends `Cached` with the key in its
+message), so a fully cached rerun makes no artifact requests."""
 
 from __future__ import annotations
 
