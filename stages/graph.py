@@ -15,7 +15,7 @@ from stages import data
 from stages.common import distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
-from stages.common.precision import resolve_mixed_precision
+from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.engine import cli, runner, status
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.remote_store import open_store
@@ -52,6 +52,7 @@ STAGES: list[Stage] = [
         body=Lazy("stages.model", "run"),
         precheck=Lazy("stages.common.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
+        resolve=resolve_compute_dtype,  # quantized, auto -> the compute dtype this machine loads in, before the keys
         inputs=model_input_files,
         deps=model_deps,
         hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",

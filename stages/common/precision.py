@@ -117,3 +117,19 @@ def resolve_mixed_precision(cfg: Any) -> Any:
         return cfg
     name = resolve_precision("auto", device_type()).name
     return cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixed_precision": name})})
+
+
+def resolve_compute_dtype(cfg: Any) -> Any:
+    """quantization.compute_dtype `auto` on a quantized model -> the dtype it picks on this machine (bfloat16 on
+    GPUs that have it, float16 on older ones, float32 on CPU: bitsandbytes' CPU kernels), before any key is
+    computed (the model stage's Stage.resolve): the 4/8-bit model a GPU makes and the one a CPU makes never
+    share a key. Unquantized models do not use it: their keys keep `auto`."""
+    q = cfg.quantization
+    if q.mode == "none" or q.compute_dtype != "auto":
+        return cfg
+    name = "float32"
+    if device_type() == "cuda":
+        import torch
+
+        name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return cfg.model_copy(update={"quantization": q.model_copy(update={"compute_dtype": name})})

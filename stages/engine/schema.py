@@ -177,7 +177,8 @@ class QuantizationConfig(Section):
     double_quant: bool = Field(False, description="4bit only: quantize the per-block scales too (8-bit, ~0.37 "
                                "bits per parameter saved)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU")
+        "auto", description="auto: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU; resolved before "
+        "the keys when quantized, so the model key holds the dtype used")
     skip_modules: list[str] = Field(default_factory=list, description="modules never quantized, besides the heads "
                                     "(score, classifier, lm_head) and tied embeddings")
     quantize_fp32_modules: bool = Field(False, description="also quantize the modules a model keeps in fp32 "

@@ -238,3 +238,28 @@ def test_the_precision_auto_resolves_to_is_in_the_train_and_evaluate_keys(monkey
     differ = {s for s in with_units if with_units[s].key != without[s].key}
     assert differ == {"train", "evaluate", "export"}  # export: train's key is its upstream
     assert keys("train.mixed_precision=bf16")["train"].key == with_units["train"].key
+
+
+@needs_shared_data
+def test_a_quantized_models_auto_compute_dtype_is_resolved_into_the_model_key(monkeypatch):
+    """quantization.compute_dtype auto loads 4/8-bit weights in bf16/fp16 on a GPU and fp32 on a CPU: the
+    model key holds the dtype picked, so a GPU's and a CPU's quantized model never share an artifact; an
+    unquantized model (which does not use it) keeps `auto` in its key."""
+    from stages.common import precision
+    from stages.engine.config import load_pipeline
+    from stages.graph import plan
+
+    def model_key(*sets: str):
+        return next(p.key for p in plan(load_pipeline("tiny-imdb", list(sets))) if p.stage.name == "model")
+
+    q = ("quantization.mode=4bit",)
+    on_cpu = model_key(*q)
+    assert on_cpu.params["quantization"]["compute_dtype"] == "float32"
+    assert model_key(*q, "quantization.compute_dtype=float32").key == on_cpu.key  # the same work, one key
+    monkeypatch.setattr(precision, "device_type", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    on_gpu = model_key(*q)
+    assert on_gpu.params["quantization"]["compute_dtype"] == "bfloat16" and on_gpu.key != on_cpu.key
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert model_key(*q).params["quantization"]["compute_dtype"] == "float16"
+    assert model_key().params["quantization"]["compute_dtype"] == "auto"  # unquantized: not used, not resolved
