@@ -70,11 +70,6 @@ def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_s
     return [int(p) for p in logits.argmax(-1).tolist()]
 
 
-def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
-             device: torch.device, decoder_only: bool, desc: str) -> tuple[list[str], list[int]]:
-    return inference.generate(model, prompts, tok, gen, batch_size, device, decoder_only, desc, log)
-
-
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
                desc: str) -> dict[str, float]:
@@ -160,7 +155,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 refs = found
                 prompts = rows["input_ids"] if task == "seq2seq" else [
                     prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
-                preds, counts = generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm", desc)
+                preds, counts = inference.generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm",
+                                                   desc, log)
                 results[split] = {"examples": len(ids), **metrics.compute(scores, preds, refs),
                                   "generated_tokens_mean": sum(counts) / max(len(counts), 1),
                                   "generated_tokens_max": max(counts, default=0)}

@@ -201,12 +201,13 @@ class _Tok:
 def test_batched_generation_equals_one_at_a_time(decoder_only):
     """Padding a batch (right for encoder-decoder, left for decoder-only prompts) does not change greedy
     outputs: batch size 4 and 1 give the same texts and token counts, in the prompts' order."""
+    import logging
     import random
 
     import torch
     from tiny_train import tiny_t5
 
-    from stages.evaluate import generate, prompt_of
+    from stages.common.inference import generate, prompt_of
 
     if decoder_only:
         from transformers import BloomConfig, BloomForCausalLM
@@ -227,8 +228,9 @@ def test_batched_generation_equals_one_at_a_time(decoder_only):
         assert [prompt_of(x, y) for x, y in rows] == prompts
     gen = {"max_new_tokens": 6, "num_beams": 1, "do_sample": False, "eos_token_id": 1, "pad_token_id": 0}
     cpu = torch.device("cpu")
-    batched = generate(model, prompts, _Tok(), gen, 4, cpu, decoder_only, "test")
-    single = generate(model, prompts, _Tok(), gen, 1, cpu, decoder_only, "test")
+    log = logging.getLogger("test")
+    batched = generate(model, prompts, _Tok(), gen, 4, cpu, decoder_only, "test", log)
+    single = generate(model, prompts, _Tok(), gen, 1, cpu, decoder_only, "test", log)
     assert batched == single
     assert all(1 <= n <= 6 for n in batched[1]) and len(set(batched[0])) >= 3
 
