@@ -30,10 +30,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from stages.common.models import load_trainable  # noqa: E402
 
 from stages.common.device import training_device  # noqa: E402
 from stages.common.hf import load_tokenizer  # noqa: E402
+from stages.common.model_loading import load_trainable  # noqa: E402
 from stages.engine.config import load_pipeline  # noqa: E402
 from stages.engine.remote_store import open_store  # noqa: E402
 from stages.graph import run_pipeline  # noqa: E402
