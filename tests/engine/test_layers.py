@@ -47,3 +47,23 @@ def test_planning_imports_no_torch_transformers_or_pandas():
                          env={**os.environ, "FINETUNE_CPU_BF16_UNITS": "avx512_bf16"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["bf16", "[]"]
+
+
+def test_every_project_name_a_bench_script_imports_exists():
+    """bench/ scripts run by hand, not in the suite: a rename in stages/ or flows/ must not leave one failing
+    at its first line (the module and each name it takes from it, read from the source, nothing run)."""
+    import ast
+    import importlib
+
+    missing = []
+    for script in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("stages", "flows"):
+                try:
+                    module = importlib.import_module(node.module)
+                except ImportError as e:
+                    missing.append(f"{script.name}: {node.module} ({e})")
+                    continue
+                missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert not missing, missing
