@@ -14,14 +14,12 @@ The manifest records the names.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.common.hub import ensure_hub_reachable, hub_identity
+from stages.common.tables import LabelColumn, columns, label_column, read_table
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.runner import StageContext
@@ -89,21 +87,6 @@ def source_deps(cfg: PipelineConfig) -> dict[str, str]:
     return hub_identity(cfg.data.hub_id or HUB_IDS[cfg.data.source], cfg.data.hub_revision, "dataset")
 
 
-def _read_table(path: Path) -> pd.DataFrame:
-    import pandas as pd
-
-    name = path.name.lower()
-    if name.endswith((".csv", ".csv.gz")):
-        return pd.read_csv(path, keep_default_na=False)
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        return pd.read_json(path, lines=True)
-    if name.endswith(".json"):
-        return pd.read_json(path)
-    if name.endswith(".parquet"):
-        return pd.read_parquet(path)
-    raise DataError(f"{path}: unsupported file type; use .csv, .csv.gz, .jsonl, .json or .parquet")
-
-
 def _split_of(name: str) -> str | None:
     low = name.lower()
     for split, words in (("validation", ("validation", "valid", "val", "dev")), ("test", ("test",)),
@@ -123,11 +106,11 @@ def _read_local(path: Path) -> dict[str, pd.DataFrame]:
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
         return aclimdb.read_tarball(path)
     if path.is_file():
-        return {"train": _read_table(path)}
+        return {"train": read_table(path)}
     frames: dict[str, list[pd.DataFrame]] = {}
     for f in sorted(path.iterdir()):
         if f.name.lower().endswith(TABULAR) and (split := _split_of(f.name)):
-            frames.setdefault(split, []).append(_read_table(f))
+            frames.setdefault(split, []).append(read_table(f))
     if not frames:
         raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.jsonl/.parquet files in this folder")
     return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
@@ -157,11 +140,11 @@ def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
         return _read_local(path), f"local:{path}"
     files = mirror_files(cfg.data)
     if files and cfg.data.source == "imdb":
-        return {"test": _read_table(files[0]), "train": _read_table(files[1])}, f"mirror:{files[0].parent}"
+        return {"test": read_table(files[0]), "train": read_table(files[1])}, f"mirror:{files[0].parent}"
     if files:
         frames: dict[str, list[pd.DataFrame]] = {}
         for f in files:
-            frames.setdefault(_split_of(f.name) or "train", []).append(_read_table(f))
+            frames.setdefault(_split_of(f.name) or "train", []).append(read_table(f))
         return {s: pd.concat(v, ignore_index=True) for s, v in frames.items()}, f"mirror:{files[0].parent}"
     return _read_hub(cfg), f"hub:{cfg.data.hub_id or HUB_IDS[cfg.data.source]}"
 
@@ -191,50 +174,6 @@ def label_ids(values: pd.Series, names: list[str] | None, num_labels: int | None
     return ids.astype("int64").to_numpy()
 
 
-MISSING_WORDS = ("nan", "na", "n/a", "null", "none")  # a CSV cell holding one of these (any case) is missing
-
-
-@functools.lru_cache(maxsize=32)
-def _label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColumn:
-    """The label column of one file, summarised (LabelColumn). Cached per file version: plans run often,
-    the column is read once."""
-    import pandas as pd
-
-    p = Path(path)
-    name = p.name.lower()
-    try:
-        if name.endswith((".csv", ".csv.gz")):
-            values = pd.read_csv(p, usecols=[column], keep_default_na=False)[column]
-        elif name.endswith(".parquet"):
-            values = pd.read_parquet(p, columns=[column])[column]
-        else:
-            values = _read_table(p)[column]
-    except (KeyError, ValueError):  # no such column
-        return LabelColumn((), None, None, ())
-    line0 = 2 if name.endswith((".csv", ".csv.gz")) else 1  # the file's line of row 0 (a CSV's header is line 1)
-    text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
-    blank = text.str.strip().eq("") | text.str.strip().str.lower().isin(MISSING_WORDS)
-    empty = None
-    if blank.any():
-        row = int(blank.to_numpy().argmax())
-        raw = values.iloc[row]
-        what = ("empty" if raw.strip() == "" else f"missing ({raw!r})") if isinstance(raw, str) else "missing (null)"
-        empty = (row + line0, what)
-    ids = pd.to_numeric(values, errors="coerce")
-    integer = len(values) > 0 and not (ids.isna() | (ids % 1 != 0)).any()
-    firsts = text[~text.duplicated()]
-    return LabelColumn(tuple(sorted(set(text[~blank]))), (int(ids.max()) if integer else None), empty,
-                       tuple((v, int(i) + line0) for i, v in firsts.items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class LabelColumn:
-    values: tuple[str, ...]  # the distinct labels as text, sorted (the missing ones left out)
-    top: int | None  # the largest id when every label is an integer, else None
-    missing: tuple[int, str] | None  # (line, "empty" / "missing (nan)") of the first label that is not there
-    first_lines: tuple[tuple[str, int], ...]  # each distinct label and the line it first appears on
-
-
 def _local_label_files(d: Any) -> list[Path] | None:
     """The tabular files a local data.path holds (None for aclImdb, whose labels are its folders)."""
     path = local_path(d.path)
@@ -244,19 +183,15 @@ def _local_label_files(d: Any) -> list[Path] | None:
                                           if f.name.lower().endswith(TABULAR) and _split_of(f.name)]
 
 
-def _columns(f: Path) -> list[str]:
-    return [str(c) for c in _read_table(f).columns]
-
-
 def _label_columns(d: Any) -> list[tuple[Path, LabelColumn]]:
     """Each local file's label column, a file without the column or with a missing label refused (DataError
     naming the file, its line and the column)."""
     out = []
     for f in _local_label_files(d) or []:
-        col = _label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns)
+        col = label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns)
         if not col.values and col.missing is None:
-            if d.label_column not in _columns(f):
-                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(_columns(f))}); "
+            if d.label_column not in columns(f):
+                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(columns(f))}); "
                                         f"set data.label_column to one of them")
             continue  # an empty file: the data stage says so
         if col.missing is not None:

@@ -156,12 +156,13 @@ def _anchored(value: Any, folder: Path, kind: str) -> Any:
     return value
 
 
-def anchor_paths(body: dict, folder: Path) -> dict:
-    """A pipeline body (or defaults) with its relative paths made absolute against `folder`."""
+def anchor_paths(body: dict, folder: Path, kinds: tuple[str, ...] = ("always", "local")) -> dict:
+    """A pipeline body (or defaults) with its relative paths (of PATH_FIELDS of these kinds) made absolute
+    against `folder`."""
     out = copy.deepcopy(body)
     for (section, key), kind in PATH_FIELDS.items():
         node = out.get(section)
-        if isinstance(node, dict) and key in node:
+        if isinstance(node, dict) and key in node and kind in kinds:
             node[key] = _anchored(node[key], folder, kind)
     return out
 
@@ -321,7 +322,8 @@ def load_pipeline(name: str, overrides: list[str] | dict | None = None,
     for field in ("overrides", "config_file"):
         if field in merged:
             raise ConfigError(f"pipelines.{name}: '{field}' is set by the loader; remove it from {path.name}")
-    over = overrides_to_dict(overrides)
+    # --set paths: the current directory's, made absolute here (the export key holds data.path as written)
+    over = anchor_paths(overrides_to_dict(overrides), Path.cwd(), ("always",))
     merged = _deep_merge(merged, over)
     merged["name"] = name
     merged["overrides"] = override_strings(overrides)

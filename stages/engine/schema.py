@@ -5,11 +5,10 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from stages.engine.choices import choice_of
@@ -115,14 +114,6 @@ class DataConfig(Section):
     split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
-        # the export key holds the path as written: a relative one would mean another file from another folder
-        if v is None or "://" in v:
-            return v
-        return os.path.abspath(os.path.expanduser(v))
 
     @model_validator(mode="after")
     def _local_needs_path(self) -> DataConfig:

@@ -179,8 +179,8 @@ def test_a_user_file_extends_the_projects_pipelines_and_defaults(tmp_path, monke
     assert mine.model == load_pipeline("tiny-imdb").model and mine.train.weight_decay == 0.01
     assert mine.train.mixed_precision == "no"  # `off` too
     assert {"demo", "mine", "tiny-imdb", "bloom-imdb"} <= set(pipeline_names(path))
-    # a --set path is the shell's: relative to the current directory, resolved where it is read
-    assert load_pipeline("demo", ["data.path=x.csv"], path).data.path == "x.csv"
+    # a --set path is the shell's: relative to the current directory, made absolute when loaded
+    assert load_pipeline("demo", ["data.path=x.csv"], path).data.path == str(Path.cwd() / "x.csv")
 
 
 def test_a_user_file_error_names_the_file_it_comes_from(tmp_path):

@@ -1,0 +1,79 @@
+"""Local data files read as tables (CSV, JSONL, JSON, Parquet; gzipped too), and a file's label column
+summarised for the plan-time label checks (stages/data.py). pandas is imported where a file is read, so
+planning a run without local data imports none of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stages.engine.errors import DataError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def read_table(path: Path) -> pd.DataFrame:
+    import pandas as pd
+
+    name = path.name.lower()
+    if name.endswith((".csv", ".csv.gz")):
+        return pd.read_csv(path, keep_default_na=False)
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        return pd.read_json(path, lines=True)
+    if name.endswith(".json"):
+        return pd.read_json(path)
+    if name.endswith(".parquet"):
+        return pd.read_parquet(path)
+    raise DataError(f"{path}: unsupported file type; use .csv, .csv.gz, .jsonl, .json or .parquet")
+
+
+MISSING_WORDS = ("nan", "na", "n/a", "null", "none")  # a CSV cell holding one of these (any case) is missing
+
+
+@functools.lru_cache(maxsize=32)
+def label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColumn:
+    """The label column of one file, summarised (LabelColumn). Cached per file version: plans run often,
+    the column is read once."""
+    import pandas as pd
+
+    p = Path(path)
+    name = p.name.lower()
+    try:
+        if name.endswith((".csv", ".csv.gz")):
+            values = pd.read_csv(p, usecols=[column], keep_default_na=False)[column]
+        elif name.endswith(".parquet"):
+            values = pd.read_parquet(p, columns=[column])[column]
+        else:
+            values = read_table(p)[column]
+    except (KeyError, ValueError):  # no such column
+        return LabelColumn((), None, None, ())
+    line0 = 2 if name.endswith((".csv", ".csv.gz")) else 1  # the file's line of row 0 (a CSV's header is line 1)
+    text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
+    blank = text.str.strip().eq("") | text.str.strip().str.lower().isin(MISSING_WORDS)
+    empty = None
+    if blank.any():
+        row = int(blank.to_numpy().argmax())
+        raw = values.iloc[row]
+        what = ("empty" if raw.strip() == "" else f"missing ({raw!r})") if isinstance(raw, str) else "missing (null)"
+        empty = (row + line0, what)
+    ids = pd.to_numeric(values, errors="coerce")
+    integer = len(values) > 0 and not (ids.isna() | (ids % 1 != 0)).any()
+    firsts = text[~text.duplicated()]
+    return LabelColumn(tuple(sorted(set(text[~blank]))), (int(ids.max()) if integer else None), empty,
+                       tuple((v, int(i) + line0) for i, v in firsts.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelColumn:
+    values: tuple[str, ...]  # the distinct labels as text, sorted (the missing ones left out)
+    top: int | None  # the largest id when every label is an integer, else None
+    missing: tuple[int, str] | None  # (line, "empty" / "missing (nan)") of the first label that is not there
+    first_lines: tuple[tuple[str, int], ...]  # each distinct label and the line it first appears on
+
+
+def columns(f: Path) -> list[str]:
+    return [str(c) for c in read_table(f).columns]
