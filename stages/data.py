@@ -190,8 +190,8 @@ def _label_columns(d: Any) -> list[tuple[Path, LabelColumn]]:
     for f in _local_label_files(d) or []:
         col = label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns)
         if not col.values and col.missing is None:
-            if d.label_column not in columns(f):
-                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(columns(f))}); "
+            if d.label_column not in (names := columns(f)):
+                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(names)}); "
                                         f"set data.label_column to one of them")
             continue  # an empty file: the data stage says so
         if col.missing is not None:

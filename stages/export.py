@@ -407,7 +407,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     (out / PIPELINE_JSON).write_text(json.dumps({"name": cfg.name, "description": cfg.description, **sections},
                                                 indent=2, sort_keys=True))
     changed = {s: v for s in CARD_SECTIONS if (v := non_defaults(getattr(cfg, s)))}
-    if cfg.data.source == "local" and cfg.data.path:  # in this stage's key (stages/graph.py): the file must run
+    if cfg.data.path:  # read whatever the source (data.load_source); in this stage's key: the file must run
         changed.setdefault("data", {})["path"] = cfg.data.path
     (out / PIPELINE_YAML).write_text(f"# {cfg.name} as exported: every in-key setting that differs from the schema's "
                                      f"defaults\n# python -m flows.finetune {cfg.name} --config {PIPELINE_YAML}\n"

@@ -83,7 +83,8 @@ def export_precision(ex: Exported, device: Any) -> Precision:
     trained): predictions then match predictions.jsonl on any machine. fp16 off a GPU cannot run: auto then."""
     if ex.precision == "auto" or (ex.precision == "fp16" and getattr(device, "type", device) != "cuda"):
         auto = resolve_precision("auto", device)
-        return Precision(auto.name, f"the export was evaluated in {ex.precision}, not possible here; {auto.reason}")
+        why = "records no resolved precision" if ex.precision == "auto" else "was evaluated in fp16, a GPU's"
+        return Precision(auto.name, f"the export {why}; {auto.reason}")
     return Precision(ex.precision, f"as the export was evaluated (train.mixed_precision {ex.precision})")
 
 

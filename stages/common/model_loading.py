@@ -23,6 +23,7 @@ from stages.common.compat.transformers import (
 )
 from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
+from stages.common.precision import auto_compute_dtype
 from stages.common.quiet import filter_known_warnings
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import ModelConfig, QuantizationConfig
@@ -56,11 +57,7 @@ def auto_class(task: str) -> Any:
 def compute_dtype(name: str) -> torch.dtype:
     """`auto`: bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU (bitsandbytes' CPU kernels; training's
     bf16 on CPUs with bf16 units is train.mixed_precision's autocast, stages/common/device.py)."""
-    if name != "auto":
-        return DTYPES[name]
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return DTYPES[auto_compute_dtype() if name == "auto" else name]
 
 
 def param_dtype(m: ModelConfig, q: QuantizationConfig) -> torch.dtype:

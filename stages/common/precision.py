@@ -127,9 +127,13 @@ def resolve_compute_dtype(cfg: Any) -> Any:
     q = cfg.quantization
     if q.mode == "none" or q.compute_dtype != "auto":
         return cfg
-    name = "float32"
-    if device_type() == "cuda":
-        import torch
+    return cfg.model_copy(update={"quantization": q.model_copy(update={"compute_dtype": auto_compute_dtype()})})
 
-        name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return cfg.model_copy(update={"quantization": q.model_copy(update={"compute_dtype": name})})
+
+def auto_compute_dtype() -> str:
+    """What quantization.compute_dtype `auto` loads in here, as the schema spells it."""
+    if device_type() != "cuda":
+        return "float32"
+    import torch
+
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
