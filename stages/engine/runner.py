@@ -73,6 +73,9 @@ class Stage:
     # (a training across machines, on machine_rank > 0): the body then runs in a scratch folder outside
     # the store - no lease, nothing committed - and the pipeline stops after it.
     joins: Callable[[PipelineConfig], str | None] | None = None
+    # Checks the config for this stage at plan time (after `resolve`), before any stage runs: raises one
+    # ConfigError naming the field and the fix. Never changes the config, so it stays out of the key.
+    check: Callable[[PipelineConfig], None] | None = None
 
 
 JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
@@ -178,6 +181,9 @@ def precheck(cfg: PipelineConfig, graph: Iterable[Stage], only: str | None = Non
     graph = list(graph)
     check_run_options(graph, (), only, until)
     cfg = resolve_config(cfg, graph)
+    for st in graph:
+        if st.check is not None:
+            st.check(cfg)
     names = stage_names(graph)
     chosen = [only] if only else names[: names.index(until) + 1] if until else names
     needed = set(chosen) | {a for n in chosen for a in _graph_ancestors(graph, n)}
