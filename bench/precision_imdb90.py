@@ -36,7 +36,8 @@ from stages.common.hf import load_tokenizer  # noqa: E402
 from stages.common.model_loading import load_trainable  # noqa: E402
 from stages.engine.config import load_pipeline  # noqa: E402
 from stages.engine.remote_store import open_store  # noqa: E402
-from stages.graph import run_pipeline  # noqa: E402
+from stages.engine.runner import execute  # noqa: E402
+from stages.graph import GRAPH  # noqa: E402
 from stages.train import train_model  # noqa: E402
 
 # the imdb-90 sweep's settings (pipeline.yaml `sweeps: imdb-90`), on a small train subset: only a few steps run
@@ -59,7 +60,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     reviews = 16 * args.steps
     cfg = load_pipeline("demo", [*IMDB90, f"data.subset={{train: {reviews}, validation: 8, test: 8}}"])
-    up = {o.stage: o.path for o in run_pipeline(cfg, open_store(), until="adapters")}
+    store = open_store()
+    up = {o.stage: o.path for o in execute(GRAPH.plan(cfg, store, until="adapters"), store)}
     import datasets
 
     ds = datasets.load_from_disk(str(up["tokenize"] / "dataset"))

@@ -47,11 +47,13 @@ def main() -> int:
     from stages.common.exported import load_export, predict
     from stages.engine.config import load_pipeline
     from stages.engine.remote_store import open_store
-    from stages.graph import run_pipeline
+    from stages.engine.runner import execute
+    from stages.graph import GRAPH
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    outcomes = {o.stage: o for o in run_pipeline(load_pipeline("demo", TRAIN), open_store())}
+    store = open_store()
+    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("demo", TRAIN), store), store)}
     folder = outcomes["export"].path
     print(f"export {folder} ({'trained' if outcomes['train'].computed else 'cached'}, "
           f"{time.perf_counter() - t0:.0f} s)")

@@ -6,25 +6,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stages.engine.cli import describe, guarded, parser, setup_logging
+from stages.engine.cli import describe, parser, setup_logging, user_errors
 from stages.engine.config import store_root
 from stages.engine.remote_store import open_store
-from stages.graph import load_args, precheck, run_pipeline
+from stages.engine.runner import execute
+from stages.graph import GRAPH
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser("python -m stages").parse_args(argv)
-
-    def go() -> None:
-        cfg = load_args(args)
-        precheck(cfg, args.only, args.until)  # one line and exit 2 before the store is opened
-        setup_logging()
+    with user_errors() as failed:
         store = open_store()
-        print(f"pipeline {cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)
-        run_pipeline(cfg, store, only=args.only, until=args.until, force=args.force, verify=args.verify,
-                     on_outcome=lambda o: print(describe(o), flush=True))
-
-    return guarded(go)
+        # every check before anything is written: bad input is one line and exit 2, and no store
+        plan = GRAPH.plan(GRAPH.load(args), store, only=args.only, until=args.until, force=args.force,
+                          verify=args.verify)
+        setup_logging()
+        print(f"pipeline {plan.cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)
+        execute(plan, store, on_outcome=lambda o: print(describe(o), flush=True))
+        return 0
+    return failed.code
 
 
 if __name__ == "__main__":

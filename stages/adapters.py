@@ -18,8 +18,8 @@ from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
 from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model
 from stages.engine.errors import ConfigError
-from stages.engine.runner import StageContext
 from stages.engine.schema import AdaptersConfig
+from stages.engine.stage import StageContext
 
 PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
 

@@ -22,8 +22,8 @@ from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, label_column, read_table
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
-from stages.engine.runner import StageContext
 from stages.engine.schema import DataConfig, PipelineConfig
+from stages.engine.stage import StageContext
 
 if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so planning a cached run imports neither
     import pandas as pd

@@ -36,7 +36,7 @@ from stages.common.inference import batches, class_logits, device_for, generatio
 from stages.common.losses import loss_units, summed_loss
 from stages.common.model_loading import load_trained
 from stages.engine.errors import MissingInputError
-from stages.engine.runner import StageContext
+from stages.engine.stage import StageContext
 
 if TYPE_CHECKING:
     from stages.common.model_loading import HFModel

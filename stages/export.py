@@ -38,8 +38,8 @@ from stages.common.inference import generation_kwargs
 from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, load_trained
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
-from stages.engine.runner import StageContext, select
 from stages.engine.schema import CARD_SECTIONS, PipelineConfig
+from stages.engine.stage import StageContext, select
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,29 +1,22 @@
 """The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
-Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it.
+Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it (`GRAPH.plan`).
 
 The bodies are named, not imported (Lazy): planning, and a run where every stage is a store hit, import no
-torch or transformers. The engine never imports this module: it is handed `STAGES`. The functions at the bottom are the engine's,
-bound to this graph, for the command lines and flows above."""
+torch or transformers. The engine never imports this module: commands plan with `GRAPH` and hand the plan
+to the engine (stages/engine/runner.py executes it)."""
 
 from __future__ import annotations
-
-import argparse
-from pathlib import Path
-from typing import Any
 
 from stages import data
 from stages.common import distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
-from stages.engine import cli, runner, status
-from stages.engine.config import DEFAULT_PIPELINE_FILE
-from stages.engine.remote_store import open_store
-from stages.engine.runner import Lazy, Planned, Stage
-from stages.engine.schema import CARD_SECTIONS, PipelineConfig
-from stages.engine.store import Outcome, Store
+from stages.engine.plan import Graph
+from stages.engine.schema import CARD_SECTIONS
+from stages.engine.stage import Lazy, Stage
 
-STAGES: list[Stage] = [
+GRAPH = Graph([
     Stage(
         name="data",
         body=data.run,
@@ -73,6 +66,7 @@ STAGES: list[Stage] = [
         upstream=("tokenize", "model", "adapters"),
         inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
+        reports=True,  # its loss and time are a run's headline numbers
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
@@ -82,6 +76,7 @@ STAGES: list[Stage] = [
         reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
         inputs=metric_files,  # the evaluate modules' files: loaded by path, not imported
+        reports=True,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),
     Stage(
@@ -96,39 +91,4 @@ STAGES: list[Stage] = [
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
-]
-
-
-def plan(cfg: PipelineConfig, store: Store | None = None) -> list[Planned]:
-    """Every stage's key; input files hashed through the store's memo (default: the configured store)."""
-    return runner.plan(cfg, STAGES, (store or open_store()).hashes())
-
-
-def precheck(cfg: PipelineConfig, only: str | None = None, until: str | None = None) -> PipelineConfig:
-    """Every check that needs no store and no run (runner.precheck): before Prefect starts."""
-    return runner.precheck(cfg, STAGES, only, until)
-
-
-def stage_names() -> list[str]:
-    return runner.stage_names(STAGES)
-
-
-def check_run_options(force: list[str] | tuple[str, ...] = (), only: str | None = None,
-                      until: str | None = None) -> None:
-    runner.check_run_options(STAGES, force, only, until)
-
-
-def run_pipeline(cfg: PipelineConfig, store: Store, **kw: Any) -> list[Outcome]:
-    return runner.run_pipeline(cfg, store, STAGES, **kw)
-
-
-def load_args(args: argparse.Namespace) -> PipelineConfig:
-    return cli.load_args(args, STAGES)
-
-
-def pipeline_status(cfg: PipelineConfig, store: Store) -> list[status.StageStatus]:
-    return status.pipeline_status(cfg, store, STAGES)
-
-
-def gc(store: Store, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, **kw: Any) -> list[status.Garbage]:
-    return status.gc(store, STAGES, pipelines_file, **kw)
+])

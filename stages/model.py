@@ -34,7 +34,7 @@ from stages.common.model_loading import (
     meta_and_plan,
     quiet_transformers,
 )
-from stages.engine.runner import StageContext
+from stages.engine.stage import StageContext
 from stages.engine.units import human_bytes
 
 if TYPE_CHECKING:

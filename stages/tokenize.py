@@ -16,8 +16,8 @@ from stages.common.arrow import read_split
 from stages.common.batching import IGNORE_INDEX
 from stages.common.hf import load_tokenizer, special_affixes
 from stages.common.progress import iterate
-from stages.engine.runner import StageContext
 from stages.engine.schema import TokenizeConfig
+from stages.engine.stage import StageContext
 
 
 def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:

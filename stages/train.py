@@ -69,8 +69,8 @@ from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
 from stages.common.validation import evaluate_loss, validation_rows
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.runner import StageContext
 from stages.engine.schema import TrainConfig
+from stages.engine.stage import StageContext
 
 TASKS = ("seq_cls", "seq2seq", "causal_lm")
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stages.engine.config import load_pipeline
+from stages.engine.plan import Graph, Planned
 from stages.engine.remote_store import open_store
-from stages.engine.store import Outcome
-from stages.graph import run_pipeline
+from stages.engine.runner import execute
+from stages.engine.schema import PipelineConfig
+from stages.engine.stage import Stage
+from stages.engine.store import Outcome, Store
+from stages.graph import GRAPH
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -25,6 +31,22 @@ needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "imdb" / "train.csv.gz
 IMDB = ("data.subset={train: 32, validation: 8, test: 16}", "train.max_steps=2",
         "evaluate.splits=[validation, test]", "evaluate.batch_size=5")
 BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
+
+
+def as_graph(graph: Graph | Iterable[Stage]) -> Graph:
+    return graph if isinstance(graph, Graph) else Graph(graph)
+
+
+def run_pipeline(cfg: PipelineConfig, store: Store, graph: Graph | Iterable[Stage] = GRAPH,
+                 **selection: Any) -> list[Outcome]:
+    """What `python -m stages` does: plan the config (only/until/force/verify) and execute the plan."""
+    g = as_graph(graph)
+    return execute(g.plan(cfg, store, **selection), store)
+
+
+def plan(cfg: PipelineConfig, store: Store | None = None, graph: Graph | Iterable[Stage] = GRAPH) -> list[Planned]:
+    """Every stage of the config's plan, with its key."""
+    return list(as_graph(graph).plan(cfg, store).items)
 
 
 def run(pipeline: str, *sets: str, **kw) -> dict[str, Outcome]:

@@ -19,24 +19,28 @@ import logging
 import sys
 
 from flows.reports.variants import add_sweep_args, compare_hint, from_args, save_definition, spec
-from stages.engine.cli import guarded, parser, setup_logging
+from stages.engine.cli import guarded, parser, setup_logging, user_errors
 from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
+from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
-from stages.graph import load_args, precheck
+from stages.graph import GRAPH
 
 
 def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
              prog: str = "python -m flows.finetune") -> int:
     args = parser(prog, default_pipeline).parse_args(argv)
-
-    def go() -> int:
-        precheck(load_args(args), args.only, args.until)  # config, data, inputs, hub: before Prefect starts
+    with user_errors() as failed:
+        # the plan: config, data, inputs, hub checked and every key computed, before Prefect starts
+        plan = GRAPH.plan(GRAPH.load(args), open_store(), only=args.only, until=args.until, force=args.force,
+                          verify=args.verify)
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
 
         stop_cleanly_on_signals()
+        hand_over(plan, request(args.pipeline, args.overrides, args.config, args.only, args.until, args.force,
+                                args.verify))
         state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
                          str(args.config), return_state=True)
         if state.is_failed():
@@ -44,8 +48,7 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
             return 2
         print(f"store: {store_root()}")
         return 0
-
-    return guarded(go)
+    return failed.code
 
 
 def sweep_parser(prog: str) -> argparse.ArgumentParser:

@@ -19,11 +19,12 @@ from typing import Any
 
 from flows.reports.formatting import label
 from flows.reports.variants import Run, Sweep, short_names
+from stages.engine.plan import Plan
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import changed_params, flatten
+from stages.engine.status import changed_params, flatten, lookups
 from stages.engine.store import StageKey, Store
 from stages.engine.units import human_bytes
-from stages.graph import plan
+from stages.graph import GRAPH
 
 DONE, STALE, NOT_RUN = "done", "stale", "not run"
 
@@ -149,21 +150,24 @@ class Finder:
         return True
 
 
-def artifacts(planned: dict[str, StageKey], store: Store, finder: Finder) -> dict[str, tuple[str, dict]]:
-    """stage -> (key, manifest) of the artifact each stage has for this config: its current key, else one made
-    from the same parameters by earlier code (stale); a stage with neither is left out."""
+def artifacts(plan: Plan, store: Store, finder: Finder) -> dict[str, tuple[str, dict]]:
+    """stage -> (key, manifest) of the artifact each stage has for this config: its current key when the hit
+    rule reuses it, else one made from the same parameters by earlier code (stale); a stage with neither is
+    left out."""
+    planned = {i.name: i.key for i in plan.items}
+    found = lookups(plan, store)
     out = {}
-    for stage, sk in planned.items():
-        key = sk.key if not store.problems(stage, sk.key) else finder.stale_match(stage, planned)
+    for stage in planned:
+        key = planned[stage].key if found[stage].hit else finder.stale_match(stage, planned)
         if key is not None:
             out[stage] = (key, store.read_manifest(stage, key) or {})
     return out
 
 
-def run_result(run: Run, planned: dict[str, StageKey], store: Store, finder: Finder,
-               shared_keys: Counter) -> RunResult:
+def run_result(run: Run, plan: Plan, store: Store, finder: Finder, shared_keys: Counter) -> RunResult:
     res = RunResult(label=run.label, seed=run.seed, status=NOT_RUN)
-    found = artifacts(planned, store, finder)
+    planned = {i.name: i.key for i in plan.items}
+    found = artifacts(plan, store, finder)
     res.keys = {stage: key for stage, (key, _) in found.items()}
     res.missing = [stage for stage in planned if stage not in found]
     manifests = {stage: m for stage, (_, m) in found.items()}
@@ -192,7 +196,8 @@ def param_value(cfg: PipelineConfig, dotted: str) -> Any:
 
 def compare(sw: Sweep, store: Store) -> Comparison:
     finder = Finder(store)
-    plans = {r.label: {p.key.stage: p.key for p in plan(r.cfg)} for r in sw.runs}
+    full = {r.label: GRAPH.plan(r.cfg, store) for r in sw.runs}
+    plans = {label: {p.name: p.key for p in pl.items} for label, pl in full.items()}
     # a stage is shared when another *variant* has its key (a variant's seeds share more among themselves)
     shared = Counter(k for name in sw.variants() for k in {(sk.stage, sk.key) for r in sw.runs if r.variant == name
                                                             for sk in plans[r.label].values()})
@@ -201,7 +206,7 @@ def compare(sw: Sweep, store: Store) -> Comparison:
     for name in sw.variants():
         runs = [r for r in sw.runs if r.variant == name]
         variants.append(VariantResult(name, {k: param_value(runs[0].cfg, k) for k in keys},
-                                      [run_result(r, plans[r.label], store, finder, shared) for r in runs], sw.config.metric))
+                                      [run_result(r, full[r.label], store, finder, shared) for r in runs], sw.config.metric))
     baseline = variants[0].variant
     sign = -1 if sw.config.mode == "max" else 1
     ranked = sorted(variants, key=lambda v: (v.mean() is None, sign * (v.mean() or 0)))

@@ -9,25 +9,28 @@ from typing import Any
 
 from flows.reports.comparison import Finder, artifacts, evaluate_metrics
 from flows.reports.formatting import label
+from stages.engine.plan import Plan
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import changed_params, flatten, why_changed
-from stages.engine.store import StageKey, Store
-from stages.graph import plan
+from stages.engine.status import changed_params, flatten, lookups, why_changed
+from stages.engine.store import Store
+from stages.graph import GRAPH
 
 
 def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:
     """Stages shared or differing (and why), parameters and metrics that differ, from the store."""
-    pa, pb = {p.key.stage: p.key for p in plan(a)}, {p.key.stage: p.key for p in plan(b)}
+    plan_a, plan_b = GRAPH.plan(a, store), GRAPH.plan(b, store)
+    pa, pb = {p.name: p.key for p in plan_a.items}, {p.name: p.key for p in plan_b.items}
+    hit_a, hit_b = lookups(plan_a, store), lookups(plan_b, store)
     stages = []
     for name, ka in pa.items():
         kb = pb[name]
         why = [] if ka.key == kb.key else why_changed({**ka.key_inputs(), "code_objects": list(ka.code_objects)}, kb)
         stages.append({"stage": name, "shared": ka.key == kb.key, "a": ka.key, "b": kb.key, "why": why,
-                       "a_in_store": not store.problems(name, ka.key), "b_in_store": not store.problems(name, kb.key)})
+                       "a_in_store": hit_a[name].hit, "b_in_store": hit_b[name].hit})
     da, db = flatten(_sections(a)), flatten(_sections(b))
     params = [{"param": k, "a": da.get(k), "b": db.get(k)} for k in changed_params(_sections(a), _sections(b))]
     finder = Finder(store)
-    ma, mb = _stored_metrics(pa, store, finder), _stored_metrics(pb, store, finder)
+    ma, mb = _stored_metrics(plan_a, store, finder), _stored_metrics(plan_b, store, finder)
     metrics = []
     for k in sorted(ma.keys() | mb.keys()):
         (va, sa), (vb, sb) = ma.get(k, (None, False)), mb.get(k, (None, False))
@@ -43,12 +46,11 @@ def _sections(cfg: PipelineConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"name", "description", "extends", "overrides"})
 
 
-def _stored_metrics(planned: dict[str, StageKey], store: Store, finder: Finder) \
-        -> dict[str, tuple[float, bool]]:
+def _stored_metrics(plan: Plan, store: Store, finder: Finder) -> dict[str, tuple[float, bool]]:
     """metric -> (value, stale): the evaluate stage's and a few of train's, from the artifacts this config has."""
     out: dict[str, tuple[float, bool]] = {}
-    for stage, (key, m) in artifacts(planned, store, finder).items():
-        metrics, stale = m.get("metrics") or {}, key != planned[stage].key
+    for stage, (key, m) in artifacts(plan, store, finder).items():
+        metrics, stale = m.get("metrics") or {}, key != plan[stage].key.key
         if stage == "evaluate":
             out.update({f"evaluate.{k}": (v, stale) for k, v in evaluate_metrics(metrics).items()})
         elif stage == "train":

@@ -36,10 +36,10 @@ from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import CACHED, MISSING, StageStatus, find
+from stages.engine.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
 from stages.engine.store import Store
 from stages.engine.units import human_bytes
-from stages.graph import gc, pipeline_status
+from stages.graph import GRAPH
 
 
 def render_status(pipeline: str, store: Store, statuses: list[StageStatus], run: str | None = None) -> str:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
         if args.command == "memory":
             return cmd_memory(cfg)
-        statuses = pipeline_status(cfg, store)
+        statuses = pipeline_status(GRAPH.plan(cfg, store), store)
         if args.command == "status":
             if args.json:
                 print(json.dumps({"pipeline": cfg.name, "store": str(store),
@@ -203,7 +203,7 @@ def cmd_diff(args: argparse.Namespace, store: Store) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
-    garbage = gc(store, args.config, force=args.force, keep_refs=args.keep_refs)
+    garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=args.keep_refs)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
         print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,
@@ -212,16 +212,16 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
     if not garbage:
         print(f"store {store}: every artifact is reachable from a pipeline's current keys; nothing to remove")
         return 0
-    rows = [["kind", "stage", "key", "size", "" if not args.force else "result"]]
+    rows = [["kind", "stage", "key", "size", "note" if not args.force else "result"]]
     for g in garbage:
-        result = ("removed" if g.removed else g.note) if args.force else ""
+        result = ("removed" if g.removed else g.note) if args.force else g.note
         rows.append([g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes), result])
     print(render_table(rows))
     if args.force:
         freed = sum(g.size_bytes for g in garbage if g.removed)
         print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
     else:
-        print(f"{len(garbage)} unreachable, {human_bytes(total)}; dry run: nothing removed "
+        print(f"{len(garbage)} unreachable or invalid, {human_bytes(total)}; dry run: nothing removed "
               f"({command('flows.inspect', 'gc', '--force', config=args.config)} to remove)")
     return 0
 

@@ -108,10 +108,11 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
             raise MissingInputError(f"{target}: no such folder; give a pipeline name or an export folder")
         return path
     from stages.engine.remote_store import open_store
-    from stages.graph import pipeline_status
+    from stages.engine.status import pipeline_status
+    from stages.graph import GRAPH
 
-    cfg = load_pipeline(target, overrides, config)
-    st = find(pipeline_status(cfg, open_store()), "export")
+    cfg, store = load_pipeline(target, overrides, config), open_store()
+    st = find(pipeline_status(GRAPH.plan(cfg, store), store), "export")
     if st.status != CACHED or st.path is None:
         why = "; ".join(st.reasons) or st.status
         raise MissingInputError(f"{cfg.name}: no current export ({st.status}: {why}); make it with: "

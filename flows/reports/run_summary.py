@@ -24,25 +24,29 @@ from typing import Any
 
 from stages.engine.cli import guarded, parser
 from stages.engine.config import store_root
+from stages.engine.plan import Plan
 from stages.engine.remote_store import open_store
+from stages.engine.runner import execute
 from stages.engine.schema import PipelineConfig
+from stages.engine.status import lookups
 from stages.engine.store import Outcome, Store
 from stages.engine.units import human_bytes
-from stages.graph import load_args, plan, run_pipeline
+from stages.graph import GRAPH
 
 NOT_CACHED = 3
 
 
-def stage_rows(cfg: PipelineConfig, store: Store) -> list[dict[str, Any]]:
-    """One row per stage: key, artifact path, whether it is in the store, its last outcome and times."""
+def stage_rows(plan: Plan, store: Store) -> list[dict[str, Any]]:
+    """One row per stage: key, artifact path, whether the store has a hit for it, its last outcome and times."""
     last: dict[tuple[Any, Any], dict] = {}
     for ev in store.events():
-        if ev.get("pipeline") == cfg.name:
+        if ev.get("pipeline") == plan.cfg.name:
             last[(ev.get("stage"), ev.get("key"))] = ev
+    found = lookups(plan, store)
     rows = []
-    for item in plan(cfg):
+    for item in plan.items:
         sk = item.key
-        present = not store.problems(sk.stage, sk.key)
+        present = found[item.name].hit
         manifest = store.read_manifest(sk.stage, sk.key) if present else None
         ev = last.get((sk.stage, sk.key), {})
         rows.append({"stage": sk.stage, "key": sk.key, "path": store.artifact_dir(sk.stage, sk.key),
@@ -125,9 +129,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.summary") -
 
     def go() -> int:
         t0 = time.perf_counter()
-        cfg = load_args(args)
         store = open_store()
-        rows = stage_rows(cfg, store)
+        plan = GRAPH.plan(GRAPH.load(args), store, verify=args.verify)
+        cfg = plan.cfg
+        rows = stage_rows(plan, store)
         if args.if_cached:
             if not all(r["present"] for r in rows):
                 missing = [r["stage"] for r in rows if not r["present"]]
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.summary") -
                 return NOT_CACHED
             print(f"{cfg.name}: every stage is in the store; reusing them without starting Prefect", flush=True)
             # all store hits (logged), nothing computed: the rows are this run's outcomes
-            rows = [outcome_row(o) for o in run_pipeline(cfg, store, verify=args.verify)]
+            rows = [outcome_row(o) for o in execute(plan, store)]
         print(render(cfg, rows, time.perf_counter() - t0))
         return 0
 

@@ -40,7 +40,7 @@ from stages.engine.fingerprint import canonical_json, sha256_text
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig, SweepConfig
 from stages.engine.store import Store, write_json_atomic
-from stages.graph import precheck
+from stages.graph import GRAPH
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def expand(cfg: SweepConfig, config_file: Path | str = DEFAULT_PIPELINE_FILE) ->
         for variant, p in zip(labels, params, strict=True):
             over = {**cfg.set, **p, **({"train.seed": seed} if seed is not None else {})}
             try:
-                run_cfg = precheck(load_pipeline(cfg.pipeline, over, config_file))  # labels, metrics, hub too
+                run_cfg = GRAPH.validate(load_pipeline(cfg.pipeline, over, config_file))  # labels, metrics, hub too
             except FinetuneError as e:
                 raise ConfigError(f"sweeps.{cfg.name}, variant {variant}: {e}") from None
             runs.append(Run(variant, p, seed, over, run_cfg))

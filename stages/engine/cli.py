@@ -4,17 +4,18 @@ arguments, loading them into a config, one line per outcome, and errors as one l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
-from stages.engine.runner import JOINED, Stage, check_run_options
-from stages.engine.schema import PipelineConfig
+from stages.engine.stage import JOINED
 from stages.engine.store import Outcome
 
 
@@ -42,16 +43,15 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
                    help="pipeline file (default: the project's pipeline.yaml, which another file extends)")
 
 
-def load_args(args: argparse.Namespace, graph: Iterable[Stage]) -> PipelineConfig:
-    cfg = load_pipeline(args.pipeline, args.overrides, args.config)
-    check_run_options(graph, args.force, args.only, args.until)
-    return cfg
-
-
 def describe(o: Outcome) -> str:
-    status = "computed" if o.computed else JOINED if o.reason == JOINED else "cached"
-    secs = o.manifest.get("duration_s", 0)
-    return f"  {o.stage:<10} {status:<8} {secs:>8.1f}s  {o.key[:12]}  {o.path}"
+    """One line per stage outcome. A cached stage took no time now: its column says so, and its original
+    compute time is named apart."""
+    secs = o.manifest.get("duration_s") or 0.0
+    if o.computed or o.reason == JOINED:
+        status, took, note = "computed" if o.computed else JOINED, f"{secs:>8.1f}s", ""
+    else:
+        status, took, note = "cached", f"{'-':>9}", f"  (computed earlier in {secs:.1f}s)"
+    return f"  {o.stage:<10} {status:<8} {took}  {o.key[:12]}  {o.path}{note}"
 
 
 RESUME_NOTE = "committed stages stay in the store, the next run resumes from them"
@@ -75,17 +75,32 @@ def honour_stop_signals() -> None:
         signal.signal(signal.SIGTERM, terminated)
 
 
-def guarded(fn: Callable[[], int | None]) -> int:
-    """Run fn (Ctrl-C and SIGTERM honoured); a FinetuneError becomes one line on stderr and exit code 2."""
+@dataclass
+class ExitCode:
+    code: int = 0
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[ExitCode]:
+    """Around a command's body (Ctrl-C and SIGTERM honoured): a FinetuneError becomes one line on stderr
+    and its exit code (2), Ctrl-C exit code 130; the command returns `.code` after the block."""
     honour_stop_signals()
+    result = ExitCode()
     try:
-        return fn() or 0
+        yield result
     except FinetuneError as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        result.code = e.exit_code
     except KeyboardInterrupt:
         print(f"interrupted; {RESUME_NOTE}", file=sys.stderr)
-        return 130
+        result.code = 130
+
+
+def guarded(fn: Callable[[], int | None]) -> int:
+    """fn() under `user_errors`: its return value, else the error's exit code."""
+    with user_errors() as result:
+        return fn() or 0
+    return result.code
 
 
 def setup_logging() -> None:

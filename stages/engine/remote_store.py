@@ -36,7 +36,7 @@ import fsspec
 from stages.engine.config import store_root
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import Lease
-from stages.engine.store import MANIFEST, Store, log, now_iso
+from stages.engine.store import MANIFEST, Store, log, manifest_problems, now_iso
 
 POLL_S = 0.5
 
@@ -81,8 +81,8 @@ class RemoteStore(Store):
         manifest = self.read_manifest(stage, key)
         if manifest is None:
             return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"]
-        if manifest.get("key") != key or manifest.get("stage") != stage:
-            return ["manifest belongs to another key"]
+        if bad := manifest_problems(manifest, stage, key):
+            return bad
         out = []
         for f in manifest.get("files", []):
             try:
@@ -187,9 +187,9 @@ class RemoteStore(Store):
         log.info("%s: resuming from %s saved on %s at %s", stage, latest["folder"], latest.get("host"),
                  latest.get("time"))
         shutil.rmtree(work, ignore_errors=True)
-        prefix = self.fs._strip_protocol(remote).rstrip("/") + "/"
+        prefix = remote.rstrip("/") + "/"  # find() answers paths as url_to_fs gave self.base: no protocol
         for path in self.fs.find(remote):
-            rel = self.fs._strip_protocol(path)[len(prefix):]
+            rel = path[len(prefix):]
             if rel != "latest.json":
                 (work / rel).parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(path, str(work / rel))

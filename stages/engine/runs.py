@@ -3,7 +3,7 @@
 A record is written when the run starts and rewritten (atomically) after each stage and at the end:
 when, the pipeline, its `--set` list, the sweep it belongs to (FINETUNE_SWEEP, set by a sweep for its
 runs), per stage in the order run its outcome (computed / cached / failed) with key and seconds, the key metrics of the
-train and evaluate stages (numbers only), the train time, and how the run ended (completed / failed /
+stages the graph marks `Stage.reports` (numbers only), the train time (a `train_seconds` metric), and how the run ended (completed / failed /
 interrupted; `running` while it runs, or when its process died).
 """
 
@@ -19,11 +19,14 @@ from typing import Any
 from stages.engine.store import Outcome, now_iso, write_json_atomic
 
 SWEEP_ENV = "FINETUNE_SWEEP"
-METRIC_STAGES = ("evaluate", "train")  # whose metrics a run shows, in this order
 
 
 class RunRecord:
-    def __init__(self, root: Path, pipeline: str, overrides: list[str], selection: dict[str, Any]):
+    """`metric_stages`: the stages whose metrics the record keeps (the graph's `Stage.reports`)."""
+
+    def __init__(self, root: Path, pipeline: str, overrides: list[str], selection: dict[str, Any],
+                 metric_stages: list[str]):
+        self.metric_stages = metric_stages
         started = now_iso()
         self.path = root / "runs" / f"{started.replace(':', '').replace('-', '')[:15]}-{uuid.uuid4().hex[:8]}.json"
         self.data: dict[str, Any] = {
@@ -46,10 +49,10 @@ class RunRecord:
         status = "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
         self.data["stages"].append({"stage": o.stage, "status": status, "key": o.key,
                                     "duration_s": manifest.get("duration_s")})
-        if o.stage in METRIC_STAGES and isinstance(metrics, dict):
+        if o.stage in self.metric_stages and isinstance(metrics, dict):
             self.data["metrics"][o.stage] = scalars(metrics)
-        if o.stage == "train" and isinstance(metrics, dict):
-            self.data["train_seconds"] = metrics.get("train_seconds")
+            if "train_seconds" in metrics:
+                self.data["train_seconds"] = metrics["train_seconds"]
         self.save()
 
     def failed(self, stage: str | None, err: BaseException) -> None:

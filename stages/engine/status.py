@@ -10,7 +10,6 @@ else the newest artifact of that stage made by the same pipeline.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,8 @@ from typing import Any
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
 from stages.engine.fingerprint import UNRESOLVED
-from stages.engine.runner import Planned, Stage, plan
-from stages.engine.schema import PipelineConfig
-from stages.engine.store import StageKey, Store, folder_size
+from stages.engine.plan import Graph, Plan, Planned
+from stages.engine.store import Lookup, StageKey, Store, folder_size
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
 # A stage that resumes (train) keeps {"step": N, "of": M} here in its scratch folder, for `status` to say
@@ -173,16 +171,34 @@ def _baseline(store: Store, pipeline: str, stage: str, current: str) -> str | No
     return best[1] if best else None
 
 
-def stage_status(store: Store, pipeline: str, item: Planned) -> StageStatus:
+def lookups(plan: Plan, store: Store) -> dict[str, Lookup]:
+    """The hit rule (Store.lookup) for every stage of the plan, as a run would meet it: each stage checked
+    against its upstream artifacts' content digests where those are hits. Where an upstream is not a hit
+    it is computed first, and its new content is unknown until then: the stage is judged on its own files
+    (a run reuses it when the upstream comes out as it recorded, and recomputes it otherwise)."""
+    out: dict[str, Lookup] = {}
+    for item in plan.items:
+        ups = {u: (out[u].manifest or {}).get("digest") if out[u].hit else None for u in item.stage.upstream}
+        out[item.name] = store.lookup(item.key, ups, plan.verify)
+    return out
+
+
+def stage_status(store: Store, pipeline: str, item: Planned, found: Lookup) -> StageStatus:
     sk = item.key
     st = StageStatus(stage=sk.stage, key=sk.key, status=MISSING)
-    problems = store.problems(sk.stage, sk.key)
-    if not problems:
+    if found.hit:
         st.status = CACHED
         for k, v in _artifact_facts(store, sk.stage, sk.key).items():
             setattr(st, k, v)
         return st
-    corrupt = problems != ["not in store"]
+    if found.manifest is not None:  # its own artifact, made from upstream content that has since changed
+        st.status = STALE
+        st.reasons = [f"changed upstream content: {found.why}; the next run recomputes it under the same key"]
+        for k, v in _artifact_facts(store, sk.stage, sk.key).items():
+            setattr(st, k, v)
+        return st
+    corrupt = found.why != "not in store"
+    problems = [found.why]
     base = _baseline(store, pipeline, sk.stage, sk.key)
     if base is not None:
         manifest = store.read_manifest(sk.stage, base) or {}
@@ -209,8 +225,9 @@ def resume_point(work_dir: Path) -> dict[str, int] | None:
         return None
 
 
-def pipeline_status(cfg: PipelineConfig, store: Store, graph: Iterable[Stage]) -> list[StageStatus]:
-    return [stage_status(store, cfg.name, item) for item in plan(cfg, graph, store.hashes())]
+def pipeline_status(plan: Plan, store: Store) -> list[StageStatus]:
+    found = lookups(plan, store)
+    return [stage_status(store, plan.cfg.name, item, found[item.name]) for item in plan.items]
 
 
 def find(statuses: list[StageStatus], stage: str) -> StageStatus:
@@ -234,18 +251,27 @@ class Garbage:
     note: str = ""
 
 
-def reachable_keys(store: Store, graph: Iterable[Stage], pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
-                   keep_refs: bool = False) -> set[tuple[str, str]]:
+def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
+                   keep_refs: bool = False, invalid: dict[tuple[str, str], str] | None = None) -> set[tuple[str, str]]:
     """(stage, key) of every stage of every pipeline in the file, for its current config. A pipeline
-    that cannot be planned stops gc: deleting what it might reach would be a guess."""
+    that cannot be planned stops gc: deleting what it might reach would be a guess. `invalid` collects the
+    reachable artifacts the hit rule rejects on their own files (corrupt, a malformed manifest): the next
+    run recomputes them whatever gc does. One made from changed upstream content stays reachable until the
+    next run replaces it (status shows it stale)."""
     keep: set[tuple[str, str]] = set()
     for name in pipeline_names(Path(pipelines_file)):
         try:
-            items = plan(load_pipeline(name, None, pipelines_file), graph, store.hashes())
+            plan = graph.plan(load_pipeline(name, None, pipelines_file), store)
+            items = plan.items
         except FinetuneError as e:
             raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \
                 from None
         keep |= {(i.key.stage, i.key.key) for i in items}
+        if invalid is not None:
+            found = lookups(plan, store)
+            invalid.update({(i.key.stage, i.key.key): found[i.name].why for i in items
+                            if not found[i.name].hit and found[i.name].manifest is None
+                            and found[i.name].why != "not in store"})
         # a hub revision this machine cannot resolve: the stage's current key is unknown, keep what it made
         unknown = {i.key.stage for i in items if UNRESOLVED in i.key.inputs.values()}
         if unknown:
@@ -259,10 +285,14 @@ def reachable_keys(store: Store, graph: Iterable[Stage], pipelines_file: Path | 
     return keep
 
 
-def find_garbage(store: Store, keep: set[tuple[str, str]]) -> list[Garbage]:
-    """Unreachable artifacts, and local scratch (.work) of unreachable keys."""
-    out = [Garbage("artifact", stage, key, store.location(stage, key), store.size(stage, key))
-           for stage, key, _ in store.entries() if (stage, key) not in keep]
+def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[str, str], str] | None = None) \
+        -> list[Garbage]:
+    """Unreachable artifacts, reachable ones the hit rule rejects (`invalid`), and local scratch (.work)
+    of unreachable keys (a reachable key's scratch is a stopped run's checkpoint: kept)."""
+    invalid = invalid or {}
+    out = [Garbage("artifact", stage, key, store.location(stage, key), store.size(stage, key),
+                   note=f"invalid ({invalid[stage, key]}); the next run recomputes it" if (stage, key) in invalid else "")
+           for stage, key, _ in store.entries() if (stage, key) not in keep or (stage, key) in invalid]
     out += [Garbage("work", stage, key, str(folder), folder_size(folder))
             for stage, key, folder in store.work_entries() if (stage, key) not in keep]
     return out
@@ -283,9 +313,10 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
     return garbage
 
 
-def gc(store: Store, graph: Iterable[Stage], pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
+def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
        keep_refs: bool = False) -> list[Garbage]:
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
-    garbage = find_garbage(store, reachable_keys(store, graph, pipelines_file, keep_refs))
+    invalid: dict[tuple[str, str], str] = {}
+    garbage = find_garbage(store, reachable_keys(store, graph, pipelines_file, keep_refs, invalid), invalid)
     return remove_garbage(store, garbage) if force else garbage

@@ -1,4 +1,6 @@
-"""The content-addressed stage store.
+"""The stage store: artifacts keyed by what their stage reads (params, upstream keys, input-file content,
+code fingerprint, library versions; stages/engine/plan.py), each with a manifest of its files' sizes and
+sha256 and a digest over them.
 
 Layout under the root (default `artifacts/`):
   <stage>/<key>/           a committed artifact: the stage's files plus manifest.json
@@ -10,9 +12,15 @@ Layout under the root (default `artifacts/`):
   events.jsonl             one line per stage outcome (computed / cached / recomputed and why)
 
 A stage is written to .tmp, its files hashed into manifest.json (written last), and the folder renamed
-into place: a reader sees all of it or none of it. An artifact counts as cached only when its manifest
-parses and every file has the recorded size (and sha256, with verify=True); anything else is a
-warning and a recompute, never a crash.
+into place: a reader sees all of it or none of it.
+
+The hit rule, `Store.lookup`, is the one every command asks (run, `inspect status`, `diff`, `summary`, gc):
+an artifact is a hit when (1) its manifest is valid (the `Manifest` schema) and names its own key, (2) every
+file has the recorded size (and sha256, with verify=True), and (3) each upstream artifact it was made from
+still has the content digest the manifest recorded. Anything else is a miss with its reason, never a crash:
+a run warns and recomputes. A key is the same whenever its inputs are, so under (3) a recompute replaces
+the artifact under the same key; the new manifest records the digest it replaces and why (`replaces`), and
+events.jsonl has the line, so one key never names two contents unrecorded.
 
 `Store` holds the one skeleton (cached -> lock -> compute -> commit -> publish). A shared store on an
 fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and three
@@ -35,6 +43,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
 
@@ -71,6 +81,51 @@ class Outcome:
     computed: bool
     reason: str
     manifest: dict[str, Any]
+
+
+class ManifestFile(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class UpstreamRef(BaseModel):
+    key: str
+    digest: str | None
+
+
+class Manifest(BaseModel):
+    """What the store relies on in a manifest.json (the rest: config, key inputs, times... is for people)."""
+
+    model_config = ConfigDict(extra="allow")
+    key: str
+    stage: str
+    files: list[ManifestFile]
+    digest: str
+    upstream: dict[str, UpstreamRef]
+    duration_s: float
+    metrics: dict[str, Any]
+
+
+def manifest_problems(manifest: Any, stage: str, key: str) -> list[str]:
+    """Why a parsed manifest cannot describe artifact stage/key ([] when it can)."""
+    try:
+        m = Manifest.model_validate(manifest)
+    except ValidationError as e:
+        err = e.errors()[0]
+        return [f"manifest.json malformed: {'.'.join(map(str, err['loc'])) or 'top level'}: {err['msg']}"]
+    if m.key != key or m.stage != stage:
+        return ["manifest belongs to another key"]
+    return []
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The hit rule's answer for one key: a hit, or why not (`manifest`: the artifact's, when it parses)."""
+
+    hit: bool
+    why: str
+    manifest: dict[str, Any] | None = None
 
 
 def now_iso() -> str:
@@ -175,8 +230,8 @@ class Store:
         manifest = self.read_manifest(stage, key)
         if manifest is None:
             return ["manifest.json missing or unreadable"]
-        if manifest.get("key") != key or manifest.get("stage") != stage:
-            return ["manifest belongs to another key"]
+        if bad := manifest_problems(manifest, stage, key):
+            return bad
         out = []
         for f in manifest.get("files", []):
             p = folder / f["path"]
@@ -282,41 +337,70 @@ class Store:
         return out
 
     # ------------------------------------------------------------ running
-    def cached(self, sk: StageKey, upstream_digests: dict[str, str], verify: bool) -> tuple[dict | None, str]:
-        """The manifest when sk's artifact is a valid hit (fetched to a local folder), else (None, why not)."""
+    def lookup(self, sk: StageKey, upstream_digests: dict[str, str | None], verify: bool = False) -> Lookup:
+        """The hit rule (module docstring), decided from the manifest and the file checks; nothing is
+        downloaded. `upstream_digests`: each upstream's content digest, None where it is not known yet
+        (an upstream that will compute first: then rule 3 is the run's to check)."""
         problems = self.problems(sk.stage, sk.key, verify=verify)
         if problems:
-            return None, "; ".join(problems)
+            return Lookup(False, "; ".join(problems))
         manifest = self.read_manifest(sk.stage, sk.key)
-        assert manifest is not None
+        if manifest is None:  # removed between the two reads
+            return Lookup(False, "not in store")
         for name, digest in upstream_digests.items():
-            recorded = manifest.get("upstream", {}).get(name, {}).get("digest")
-            if recorded != digest:
-                return None, f"upstream {name} content changed since this artifact was made"
-        if self.fetch(sk.stage, sk.key, manifest) is None:
-            return None, "download failed"
-        return manifest, "cached"
+            recorded = (manifest["upstream"].get(name) or {}).get("digest")
+            if digest is not None and recorded != digest:
+                return Lookup(False, f"upstream {name} content changed since this artifact was made "
+                                     f"({str(recorded)[:12]} -> {digest[:12]})", manifest)
+        return Lookup(True, "cached", manifest)
 
-    def run(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
-            config: dict[str, Any], upstream_digests: dict[str, str] | None = None, force: bool = False,
-            verify: bool = False) -> Outcome:
-        """Return sk's artifact, computing it with body(tmp_dir, work_dir) -> metrics unless a valid one
-        exists. tmp_dir becomes the artifact; work_dir persists across crashes until the commit."""
+    def run(self, sk: StageKey, body: Callable[..., dict[str, Any] | None], *, pipeline: str, config: dict[str, Any],
+            upstream_digests: dict[str, str] | None = None, force: bool = False, verify: bool = False,
+            args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work)) -> Outcome:
+        """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
+        body(*args(tmp_dir, work_dir)) -> metrics and committed (default: body(tmp_dir, work_dir)). tmp_dir
+        becomes the artifact; work_dir persists across crashes until the commit. `force`: no lookup at all
+        (nothing is fetched)."""
         upstream_digests = upstream_digests or {}
         with self.lock(sk.key, sk.stage):
-            manifest, why = self.cached(sk, upstream_digests, verify)
-            if manifest is not None and not force:
-                self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
-                return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
-            reason = "forced" if force else why
-            if why not in ("not in store", "cached") and not force:
-                log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], why)
-            outcome = self.compute(sk, body, pipeline=pipeline, config=config, upstream_digests=upstream_digests,
-                                   reason=reason)
+            found = None if force else self.lookup(sk, dict(upstream_digests), verify)
+            if found is not None and found.hit and found.manifest is not None:
+                if self.fetch(sk.stage, sk.key, found.manifest) is not None:
+                    self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
+                    return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached",
+                                   found.manifest)
+                found = Lookup(False, "download failed", found.manifest)
+            reason = "forced" if found is None else found.why
+            if found is not None and found.manifest is not None:
+                log.warning("%s: artifact %s: %s; recomputing it under the same key", sk.stage, sk.key[:12], found.why)
+            elif found is not None and found.why != "not in store":
+                log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], found.why)
+            replaces = found.manifest["digest"] if found is not None and found.manifest else None
+            final = self.artifact_dir(sk.stage, sk.key)
+            self._clear_tmp(sk)
+            tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            started, t0 = now_iso(), time.perf_counter()
+            work = self.work_dir(sk.stage, sk.key)
+            work.mkdir(parents=True, exist_ok=True)
+            self.fetch_work(sk.stage, sk.key)
+            token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
+            try:
+                metrics = body(*args(tmp, work)) or {}
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                _work_saved.reset(token)
+            manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
+                                            time.perf_counter() - t0, reason, replaces)
+            self.commit_folder(tmp, final)
+            shutil.rmtree(work, ignore_errors=True)
+            self.drop_work(sk.stage, sk.key)
             self.publish(sk.stage, sk.key)
             self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
-                           duration_s=outcome.manifest["duration_s"])
-            return outcome
+                           duration_s=manifest["duration_s"], **({"replaces": replaces} if replaces else {}))
+            return Outcome(sk.stage, sk.key, final, True, reason, manifest)
 
     # ------------------------------------------------------------ hooks a shared store overrides
     @property
@@ -340,32 +424,6 @@ class Store:
     def drop_work(self, stage: str, key: str) -> None:
         """After the commit: forget the key's published work."""
 
-    def compute(self, sk: StageKey, body: Callable[[Path, Path], dict[str, Any] | None], *, pipeline: str,
-                config: dict[str, Any], upstream_digests: dict[str, str], reason: str) -> Outcome:
-        """Run body into a temporary folder and commit it as sk's artifact. The caller holds sk's lock."""
-        final = self.artifact_dir(sk.stage, sk.key)
-        self._clear_tmp(sk)
-        tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        started, t0 = now_iso(), time.perf_counter()
-        work = self.work_dir(sk.stage, sk.key)
-        work.mkdir(parents=True, exist_ok=True)
-        self.fetch_work(sk.stage, sk.key)
-        token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
-        try:
-            metrics = body(tmp, work) or {}
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        finally:
-            _work_saved.reset(token)
-        manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
-                                        time.perf_counter() - t0)
-        self.commit_folder(tmp, final)
-        shutil.rmtree(work, ignore_errors=True)
-        self.drop_work(sk.stage, sk.key)
-        return Outcome(sk.stage, sk.key, final, True, reason, manifest)
-
     def _clear_tmp(self, sk: StageKey) -> None:
         # We hold sk's lock, so any .tmp folder of this key is a dead run's leftover.
         tmp_root = self.root / ".tmp"
@@ -374,7 +432,8 @@ class Store:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _write_manifest(self, tmp: Path, sk: StageKey, pipeline: str, config: dict, upstream_digests: dict,
-                        metrics: dict, started: str, duration: float) -> dict[str, Any]:
+                        metrics: dict, started: str, duration: float, reason: str,
+                        replaces: str | None) -> dict[str, Any]:
         files = []
         for p in sorted(tmp.rglob("*")):
             if p.is_file() and p.name != MANIFEST:
@@ -395,6 +454,8 @@ class Store:
             "finished_at": now_iso(),
             "duration_s": round(duration, 3),
             "metrics": metrics,
+            "reason": reason,  # why it was computed: not in store, forced, upstream content changed...
+            "replaces": replaces,  # the digest of the artifact this one replaced under the same key, if any
         }
         write_json_atomic(tmp / MANIFEST, manifest)
         fsync_path(tmp)

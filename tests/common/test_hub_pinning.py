@@ -7,7 +7,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 import transformers
-from helpers import IMDB, needs_shared_data
+from helpers import IMDB, needs_shared_data, plan, run_pipeline
 
 from stages.common.hub import revision_sha
 from stages.common.model_loading import load_model
@@ -15,7 +15,6 @@ from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.status import why_changed
 from stages.engine.store import Store
-from stages.graph import plan, run_pipeline
 
 REPO = "acme/tiny-bloom"
 SHA_A, SHA_B = "a1b2c3d" + "0" * 33, "e4f5a6b" + "1" * 33

@@ -5,12 +5,11 @@ from __future__ import annotations
 import shutil
 
 import helpers
-from helpers import computed, needs_shared_data
+from helpers import computed, needs_shared_data, plan
 
 from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline, store_root
 from stages.engine.store import Store
-from stages.graph import plan
 
 pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)

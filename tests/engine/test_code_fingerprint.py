@@ -23,16 +23,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import BILLSUM, IMDB, ROOT, needs_shared_data
+from helpers import BILLSUM, IMDB, ROOT, needs_shared_data, plan, run_pipeline
 
 from stages.engine import store as store_module
 from stages.engine.codegraph import CodeGraph
 from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import code_fingerprint
-from stages.engine.runner import code_roots, plan, run_pipeline
+from stages.engine.stage import code_roots
 from stages.engine.status import why_changed
 from stages.engine.store import Store
-from stages.graph import STAGES
+from stages.graph import GRAPH
 
 PROJECT_DIRS = tuple(str(ROOT / p) + "/" for p in ("stages", "flows"))
 T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from_config.d_kv=16",
@@ -185,7 +185,7 @@ def traced_graph(seen: dict[str, set[str]]) -> list:
             finally:
                 store_module._work_saved.reset(hook)
         return replace(st, body=body)
-    return [wrap(st) for st in STAGES]
+    return [wrap(st) for st in GRAPH]
 
 
 @contextmanager
@@ -209,13 +209,13 @@ def without_flow_log_handlers() -> Iterator[None]:
 def traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
     """run -> stage -> objects the stage ran (its body, and the function choosing its input files)."""
     out: dict[str, dict[str, set[str]]] = {}
-    for st in STAGES:  # the graph names its bodies lazily: their modules' import is not what a stage runs
+    for st in GRAPH:  # the graph names its bodies lazily: their modules' import is not what a stage runs
         importlib.import_module(st.body.__module__)
     with without_flow_log_handlers():
         for run, (pipeline, sets) in RUNS.items():
             cfg = load_pipeline(pipeline, list(sets))
             seen: dict[str, set[str]] = {}
-            for st in STAGES:
+            for st in GRAPH:
                 with Tracer() as t:
                     st.inputs(cfg)
                 seen.setdefault(st.name, set()).update(t.objects())
@@ -237,7 +237,7 @@ def is_covered(obj: str, objects: set[str]) -> bool:
 def test_every_function_and_value_a_stage_runs_is_in_its_key(traces):
     missing = []
     for run, (pipeline, sets) in RUNS.items():
-        planned = {p.stage.name: covered(p.key.code_objects) for p in plan(load_pipeline(pipeline, list(sets)), STAGES)}
+        planned = {p.stage.name: covered(p.key.code_objects) for p in plan(load_pipeline(pipeline, list(sets)))}
         for stage, objects in traces[run].items():
             missing += [f"{run}/{stage}: {o}" for o in sorted(objects) if not is_covered(o, planned[stage])]
     assert sum(len(o) for t in traces.values() for o in t.values()) > 100  # the tracer saw the stages run
@@ -279,7 +279,7 @@ SOURCES = _read_sources()
 
 def stage_codes(changed: dict[str, str], stages: set[str] | None = None) -> dict[str, str]:
     graph = CodeGraph(ROOT, {**SOURCES, **changed})
-    return {st.name: code_fingerprint(code_roots(st), graph)[0] for st in STAGES
+    return {st.name: code_fingerprint(code_roots(st), graph)[0] for st in GRAPH
             if stages is None or st.name in stages}
 
 
@@ -306,7 +306,7 @@ def test_editing_anything_a_stage_ran_changes_that_stages_key(traces):
 def test_editing_code_no_stage_reaches_changes_no_key():
     base = stage_codes({})
     graph = CodeGraph(ROOT, SOURCES)
-    reachable = set().union(*(covered(code_fingerprint(code_roots(st), graph)[1]) for st in STAGES))
+    reachable = set().union(*(covered(code_fingerprint(code_roots(st), graph)[1]) for st in GRAPH))
     outside: dict[str, list[str]] = {}  # module -> its functions and classes no stage can reach
     for module in sorted(SOURCES):
         if f"{module}.<module>" in reachable:
@@ -327,7 +327,7 @@ def test_editing_code_no_stage_reaches_changes_no_key():
 
 def test_status_names_the_changed_object():
     cfg = load_pipeline("tiny-imdb", list(IMDB))
-    train = next(p for p in plan(cfg, STAGES) if p.stage.name == "train")
+    train = next(p for p in plan(cfg) if p.stage.name == "train")
     source = SOURCES["stages.common.batching"].replace("MEGA_CHUNK = 50", "MEGA_CHUNK = 64")
     code, objects = code_fingerprint(code_roots(train.stage), CodeGraph(ROOT, {"stages.common.batching": source}))
     old_inputs = {**train.key.key_inputs(), "code_objects": list(train.key.code_objects)}

@@ -85,7 +85,7 @@ def test_unknown_stage_in_force_and_only(tmp_path, store_dir, capsys):
     path = write(tmp_path, BASE)
     for opt in ("--force", "--only"):
         code, err = run_cli(["bloom-imdb", "--config", str(path), opt, "trian"], capsys)
-        assert code == 2 and f"{opt} trian: unknown stage; stages are data, tokenize" in err
+        assert code == 2 and f"{opt} trian: unknown stage (did you mean train?); stages are data, tokenize" in err
     assert not store_dir.exists()
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import threading
 
+from helpers import plan, run_pipeline
+
 from stages.engine.config import load_pipeline
-from stages.engine.runner import JOINED, Stage, plan, run_pipeline
+from stages.engine.stage import JOINED, Stage
 from stages.engine.store import Store
 
 RAN: list[str] = []
@@ -39,7 +41,7 @@ def graph(joining: bool) -> list[Stage]:
 
 def test_a_joined_stage_takes_no_lease_commits_nothing_and_ends_the_run(tmp_path):
     cfg, store = load_pipeline("tiny-imdb", []), Store(tmp_path / "store")
-    key = plan(cfg, graph(True), store.hashes())[1].key.key
+    key = plan(cfg, store, graph(True))[1].key.key
     RAN.clear()
     result: dict = {}
     with store.lock(key, "train"):  # machine 0 holds the key while it computes

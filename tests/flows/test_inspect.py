@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, needs_shared_data, subprocess_env
+from helpers import ROOT, needs_shared_data, plan, run_pipeline, subprocess_env
 
 from flows.inspect import main
+from stages.engine import runner
 from stages.engine.config import load_pipeline
-from stages.engine.runner import run_stage
+from stages.engine.status import pipeline_status
 from stages.engine.store import Store
-from stages.graph import pipeline_status, plan, run_pipeline
+from stages.graph import GRAPH
 
 pytestmark = needs_shared_data
 
@@ -82,7 +83,7 @@ def test_status_names_the_changed_field_and_marks_dependents(env, capsys):
     assert next(ln for ln in lines if ln.startswith("data ")).split()[1] == "cached"
 
     # a new pipeline run with a different config: not in cache (no baseline of that pipeline)
-    statuses = pipeline_status(load_pipeline("tiny-billsum"), Store(store))
+    statuses = pipeline_status(GRAPH.plan(load_pipeline("tiny-billsum"), Store(store)), Store(store))
     assert {s.status for s in statuses} == {"missing"} and statuses[0].reasons == ["not in cache"]
 
 
@@ -122,7 +123,7 @@ def test_gc_dry_run_lists_only_unreachable(env, capsys):
     assert rc == 0 and "removed 2 of 2" in out
     assert not (store_root / "tokenize" / orphan).exists()
     assert not (store_root / ".work" / f"train-{'e' * 64}").exists()
-    assert {s.status for s in pipeline_status(load_pipeline(PIPELINE, None, config), store)} == {"cached"}
+    assert {s.status for s in pipeline_status(GRAPH.plan(load_pipeline(PIPELINE, None, config), store), store)} == {"cached"}
     assert inspect(capsys, "gc", "--config", str(config), "--json")[1].count('"kind"') == 0
 
 
@@ -210,13 +211,17 @@ def test_runs_lists_every_run_with_its_set_list_stage_outcomes_and_metrics(env, 
     run_pipeline(load_pipeline(PIPELINE, None, config), Store(store))
     monkeypatch.delenv("FINETUNE_SWEEP")
 
-    def evaluate_breaks(cfg, item, *args, **kwargs):
+    real_step = runner.run_step
+
+    def evaluate_breaks(plan, item, *args, **kwargs):
         if item.stage.name == "evaluate":
             raise RuntimeError("disk on fire")
-        return run_stage(cfg, item, *args, **kwargs)
+        return real_step(plan, item, *args, **kwargs)
 
+    monkeypatch.setattr(runner, "run_step", evaluate_breaks)
     with pytest.raises(RuntimeError):
-        run_pipeline(load_pipeline(PIPELINE, ["evaluate.max_examples=3"], config), Store(store), run=evaluate_breaks)
+        run_pipeline(load_pipeline(PIPELINE, ["evaluate.max_examples=3"], config), Store(store))
+    monkeypatch.undo()
 
     rc, out = inspect(capsys, "runs", PIPELINE, "--json")
     runs = json.loads(out)
@@ -247,8 +252,7 @@ def test_status_prints_the_command_that_runs_what_is_stale_as_given(env, capsys)
     keys the status table showed (the same keys, so running it computes exactly the stale stages)."""
     import shlex
 
-    from stages.engine.cli import load_args, parser
-    from stages.graph import STAGES
+    from stages.engine.cli import parser
 
     config, store = env
     sets = ["tokenize.max_length=64", "data.subset={train: 40, validation: 8, test: 8}"]
@@ -258,7 +262,7 @@ def test_status_prints_the_command_that_runs_what_is_stale_as_given(env, capsys)
     argv = shlex.split(line.removeprefix("run: "))
     assert argv[:4] == ["python", "-m", "flows.finetune", PIPELINE]
     assert argv[4:] == ["--config", str(config.resolve()), *(a for s in sets for a in ("--set", s))]
-    cfg = load_args(parser("flows.finetune").parse_args(argv[3:]), STAGES)
+    cfg = GRAPH.load(parser("flows.finetune").parse_args(argv[3:]))
     shown = {s["stage"]: s["key"] for s in json.loads(inspect(capsys, "status", PIPELINE, "--config", str(config),
                                                               *(a for s in sets for a in ("--set", s)),
                                                               "--json")[1])["stages"]}

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 import pytest
-from helpers import ROOT, needs_shared_data, subprocess_env
+from helpers import ROOT, needs_shared_data, run_pipeline, subprocess_env
 
 import flows.orchestration  # noqa: F401  (project Prefect defaults)
 from flows.inspect import main as inspect_main
@@ -31,7 +31,6 @@ from flows.sweep import main as sweep_main
 from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
-from stages.graph import run_pipeline
 
 EXTRA = """
   lr-pair:

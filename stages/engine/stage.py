@@ -1,0 +1,119 @@
+"""What a stage is (`Stage`: its body, the config fields it reads, its upstream, its input files) and what
+its body is handed (`StageContext`, whose config is a `ConfigView` of exactly the fields it declared). The
+stage graph (stages/graph.py) is a list of these; the engine never names a stage."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.engine.fingerprint import OUTPUT_LIBRARIES
+from stages.engine.schema import PipelineConfig
+
+JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
+
+
+class Lazy:
+    """A function named by module and name, imported at its first call. The graph names the stage bodies
+    (and their prechecks) this way, so that planning, and a run where every stage is a store hit, never
+    import the libraries the bodies compute with (torch, transformers). The code fingerprint finds its
+    source by the same names (root_of)."""
+
+    def __init__(self, module: str, name: str):
+        self.__module__, self.__qualname__ = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(self.__module__), self.__qualname__)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self.__module__}.{self.__qualname__})"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its body, the config fields it reads (dotted paths: its key covers exactly these),
+    the stages it consumes, and the files it reads directly."""
+
+    name: str
+    body: Callable[[StageContext], dict[str, Any] | None]
+    reads: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    # a list of paths, or {name: path} to key a file by that name instead of its folder's
+    inputs: Callable[[PipelineConfig], list[Path] | dict[str, Path]] = field(default=lambda cfg: [])
+    # Hub repos it downloads, each pinned to the commit its revision points at: {"hub repo@rev": sha}
+    deps: Callable[[PipelineConfig], dict[str, str]] = field(default=lambda cfg: {})
+    libraries: tuple[str, ...] = OUTPUT_LIBRARIES
+    # Runs on the whole config before the body when the stage is about to compute; it may stop the run
+    # (e.g. the memory estimate) but does not change outputs, so it stays out of the key.
+    precheck: Callable[[PipelineConfig], Any] | None = None
+    # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
+    # names, which size the model's head) before any key is computed, so every key covers the values used.
+    resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    # Checks the config for this stage at plan time (after `resolve`), before any stage runs: raises one
+    # ConfigError naming the field and the fix. Never changes the config, so it stays out of the key.
+    check: Callable[[PipelineConfig], None] | None = None
+    # How to run without the hub, for the one line that refuses a run whose hub repo cannot be pinned.
+    hub_fix: str = "use a local copy (a folder, a file or pkg:PACKAGE/PATH) or run where the hub answers"
+    # Says (a line, else None) when this run only takes part in a computation another machine commits
+    # (a training across machines, on machine_rank > 0): the body then runs in a scratch folder outside
+    # the store - no lease, nothing committed - and the pipeline stops after it.
+    joins: Callable[[PipelineConfig], str | None] | None = None
+    # Its metrics are among a run's headline numbers (the run history, `inspect runs`).
+    reports: bool = False
+
+
+class ConfigView:
+    """The part of the config a stage declared in `reads`; anything else raises, so a key can never
+    miss a field the stage uses."""
+
+    def __init__(self, obj: Any, reads: tuple[str, ...], stage: str, prefix: str = ""):
+        self._obj, self._reads, self._stage, self._prefix = obj, reads, stage, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        path = f"{self._prefix}{name}"
+        if path == "overrides" and path in self._reads:
+            return self._obj.overrides_within(self._reads)
+        if any(path == r or path.startswith(r + ".") for r in self._reads):
+            return getattr(self._obj, name)
+        if any(r.startswith(path + ".") for r in self._reads):
+            return ConfigView(getattr(self._obj, name), self._reads, self._stage, path + ".")
+        raise AttributeError(f"stage '{self._stage}' reads config '{path}' but does not declare it in its "
+                             f"reads; add it to the stage's reads in stages/graph.py")
+
+
+@dataclass
+class StageContext:
+    """What a stage body is handed. `cfg` is typed as the PipelineConfig it reads (so `ctx.cfg.train.lr`
+    is TrainConfig.lr to a reader and a type checker); at run time it is a ConfigView over it."""
+
+    cfg: PipelineConfig
+    out_dir: Path  # everything written here becomes the artifact (committed atomically)
+    work_dir: Path  # scratch that survives a crash of this key (checkpoints); deleted after commit
+    upstream: dict[str, Path]
+    upstream_manifests: dict[str, dict[str, Any]]
+    log: logging.Logger
+
+
+def stage_params(cfg: PipelineConfig, reads: tuple[str, ...]) -> dict[str, Any]:
+    """The values of the config fields a stage reads, as its key records them (`overrides`: those of the
+    fields it reads, as ConfigView shows them)."""
+    return {r: cfg.overrides_within(reads) if r == "overrides" else select(cfg, r) for r in reads}
+
+
+def select(cfg: PipelineConfig, path: str) -> Any:
+    value: Any = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value.cache_dict() if hasattr(value, "cache_dict") else value
+
+
+def code_roots(st: Stage) -> list[Any]:
+    """Where a stage's code fingerprint starts: its body, the function that picks its input files, and
+    the engine objects a body calls into (the config view it reads through, its context, Lazy)."""
+    return [st.body, st.inputs, st.deps, ConfigView, StageContext, Lazy]
