@@ -1,7 +1,9 @@
-"""Test-session defaults: offline, the real data mirror, a fresh store per test."""
+"""Test-session defaults: offline, the real data mirror, a fresh store per test, one Prefect server per worker."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,3 +67,40 @@ def s3_endpoint() -> Iterator[str]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> Iterator[str]:
+    """One real `prefect server start` per test process (xdist worker), started by the first test that asks
+    and shared by all the others (in-process flows, served deployments, command lines given its URL): each
+    server start costs 12-30 s on two busy cores. Yields the API URL; this process's Prefect settings point
+    at it from then on (what prefect_test_harness does, for the session). Tests that share it read back only
+    their own flow runs (by id) or their own store; a test about the temporary server, or about a server's
+    own home, starts its own."""
+    from cluster import server
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    tmp = tmp_path_factory.mktemp("prefect-server")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_UI_ENABLED="false", PREFECT_SERVER_UI_ENABLED="false", PREFECT_SERVER_LOGGING_LEVEL="WARNING")
+    with server(env, tmp) as api, temporary_settings({PREFECT_API_URL: api}), \
+            _temporary_global_settings_context(get_settings_context()):
+        yield api
+        _drain_prefect_workers()  # this process's queued logs and events reach the server before it stops
+
+
+def _drain_prefect_workers() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        with contextlib.suppress(RuntimeError):  # never started
+            if inspect.isawaitable(result := APILogWorker.instance().drain()):
+                await result
+        if inspect.isawaitable(result := EventsWorker.drain_all()):
+            await result
+
+    run_coro_as_sync(drain())
