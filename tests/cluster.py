@@ -57,12 +57,14 @@ def base_env(tmp: Path, store: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str]) -> Iterator[dict[str, str]]:
-    """The Prefect server, the pool and the deployments of `pipelines`; yields env + PREFECT_API_URL."""
+def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
+    """`prefect server start` on a free loopback port (its database in env's PREFECT_HOME), its log in
+    tmp/server.log; yields its API URL once /health answers, stops it (by its process group) on exit."""
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    proc = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp,
-                 tmp / "server.log")
+    proc = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 {**env, "PREFECT_API_URL": api, "PREFECT_SERVER_API_HOST": "127.0.0.1",
+                  "PREFECT_SERVER_API_PORT": str(port)}, tmp, tmp / "server.log")
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -72,12 +74,19 @@ def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str]) -> Iterat
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()
                 time.sleep(0.5)
+        yield api
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str]) -> Iterator[dict[str, str]]:
+    """The Prefect server, the pool and the deployments of `pipelines`; yields env + PREFECT_API_URL."""
+    with server(env, tmp) as api:
         env = {**env, "PREFECT_API_URL": api}
         run([PREFECT, "work-pool", "create", POOL, "--type", "process"], env)
         run(deploy_command(pipelines), env)
         yield env
-    finally:
-        stop(proc)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The Prefect flow end to end (a temporary Prefect server for the test session): task states are
+"""The Prefect flow end to end (the worker's Prefect server, tests/conftest.py prefect_server): task states are
 `Cached` exactly when the store reused an artifact."""
 
 from __future__ import annotations
@@ -23,14 +23,6 @@ from stages.engine.store import Store
 
 pytestmark = needs_shared_data
 SMALL = {"data.subset": {"train": 40, "validation": 8, "test": 8}}
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def task_states(flow_run_id) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Deployments end to end: a real `prefect server start` on 127.0.0.1 (temporary PREFECT_HOME), the serve
+"""Deployments end to end: a real `prefect server start` on 127.0.0.1 (the worker's, tests/conftest.py), the serve
 module, `prefect deployment run ... --watch`; the store and the Prefect API are checked afterwards.
 Every process is started in its own process group and stopped by pid, also when a test fails."""
 
@@ -74,25 +74,15 @@ def wait_until(what: str, check, timeout: float, proc: Proc | None = None):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`prefect server start` on a free loopback port with a fresh PREFECT_HOME (UI off: API only)."""
+def server(prefect_server, tmp_path_factory):
+    """The worker's Prefect server (tests/conftest.py: a real `prefect server start`, API only) with this
+    module's own Prefect home and store for the processes it starts."""
     root = tmp_path_factory.mktemp("prefect")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(root / "home"), PREFECT_API_URL=api, PREFECT_SERVER_API_HOST="127.0.0.1",
-               PREFECT_SERVER_API_PORT=str(port), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_SERVER_UI_ENABLED="false", PREFECT_RUNNER_POLL_FREQUENCY="1",
-               PREFECT_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               FINETUNE_STORE=str(root / "store"))
-    proc = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env, root)
-    try:
-        wait_until("the Prefect server", lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200,
-                   180, proc)
-        yield {"api": api, "env": env, "root": root, "store": root / "store"}
-    finally:
-        proc.stop()
+    env.update(PREFECT_HOME=str(root / "home"), PREFECT_API_URL=prefect_server, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               DO_NOT_TRACK="1", PREFECT_RUNNER_POLL_FREQUENCY="1", PREFECT_LOGGING_LEVEL="INFO", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", FINETUNE_STORE=str(root / "store"))
+    return {"api": prefect_server, "env": env, "root": root, "store": root / "store"}
 
 
 def api_post(server, path: str, body: dict) -> list[dict]:

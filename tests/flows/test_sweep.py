@@ -1,5 +1,5 @@
-"""Sweeps: a tiny sweep over two learning rates through the `sweep` flow (a temporary Prefect server for the
-module; each child run in its own process) computes the stages the variants share once, sequentially and two at
+"""Sweeps: a tiny sweep over two learning rates through the `sweep` flow (the worker's Prefect server,
+tests/conftest.py; each child run in its own process) computes the stages the variants share once, sequentially and two at
 a time (Prefect's thread-pool task runner), and SIGTERM ends the children; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
 are one line and exit 2, before Prefect starts."""
 
@@ -52,14 +52,6 @@ def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("sweep") / "pipeline.yaml"
     path.write_text((ROOT / "pipeline.yaml").read_text().replace("\nsweeps:\n", "\nsweeps:" + EXTRA, 1))
     return path
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 def ui_artifacts(key: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 from helpers import ROOT, needs_shared_data
-from test_serve import BIN, Proc, free_port, wait_until
+from test_serve import BIN, Proc, wait_until
 
 NAME = "mine"
 CLASSES = ("short", "medium", "long")
@@ -75,40 +75,34 @@ def printed(out: str, prefix: str) -> str:
 
 
 @needs_shared_data
-def test_a_users_session_end_to_end(tmp_path):
+def test_a_users_session_end_to_end(tmp_path, prefect_server):
     home = tmp_path / "project"
     home.mkdir()
     config = write_project(home)
+    # the user has a Prefect server (the worker's, tests/conftest.py; `python -m flows.server` for them): every
+    # command reaches it; a run with no server configured (Prefect's temporary one) is tests/flows/test_flow.py's
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(FINETUNE_STORE=str(tmp_path / "store"), PREFECT_HOME=str(tmp_path / "prefect"), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_API_URL=prefect_server,
+               PREFECT_RUNNER_POLL_FREQUENCY="1")
+    api = prefect_server
     cfg = ["--config", config.name]
     py = [sys.executable, "-m"]
 
     # 1. a run of the user's pipeline
     out = run([*py, "flows.finetune", NAME, *cfg], home, env)
     assert re.search(r"evaluate test: \{'examples': 12, 'accuracy'", out), out[-3000:]
+    assert "temporary server" not in out  # it ran on the user's server
 
-    # 2. served with --config on a real server, run as a deployment: every stage cached (the same store)
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    senv = {**env, "PREFECT_API_URL": api, "PREFECT_SERVER_API_HOST": "127.0.0.1",
-            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_UI_ENABLED": "false",
-            "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    server = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                  senv, tmp_path)
-    serve = None
-    try:
-        wait_until("the Prefect server", lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200,
-                   180, server)
-        # (Proc starts it in the repo root: the file's absolute path)
-        serve = Proc("serve", [*py, "flows.serve", NAME, "--config", str(config), "--wait", "60"], senv, tmp_path)
+    # 2. served with --config, run as a deployment: every stage cached (the same store)
+    serve = Proc("serve", [*py, "flows.serve", NAME, "--config", str(config), "--wait", "60"], env, tmp_path)
+    try:  # (Proc starts it in the repo root: the file's absolute path)
         wait_until("the deployment served", lambda: any(
             d["name"] == NAME and d.get("status") == "READY"
             for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()), 120, serve)
         out = run([str(BIN / "prefect"), "deployment", "run", f"finetune/{NAME}", "--watch", "--watch-timeout",
-                   "300"], home, senv, timeout=330)
+                   "300"], home, env, timeout=330)
         assert "Completed" in out, out[-3000:]
         run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
         tasks = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}},
@@ -116,9 +110,7 @@ def test_a_users_session_end_to_end(tmp_path):
         states = {t["name"].rsplit("-", 1)[0]: t["state"]["name"] for t in tasks}
         assert states and set(states.values()) == {"Cached"}, states
     finally:
-        if serve is not None:
-            serve.stop()
-        server.stop()
+        serve.stop()
 
     # 3. an evaluate-only change: only evaluate (and export, which follows it) run
     out = run([*py, "flows.finetune", NAME, *cfg, "--set", "evaluate.batch_size=4"], home, env)
