@@ -9,14 +9,18 @@ each the `main` of a `flows/<module>.py`, the way `dvc` and `prefect` group thei
     finetune predict ...
     finetune server [--host 127.0.0.1] [--port 4200]
 
-A subcommand's module is imported only when it runs: `finetune inspect` never imports Prefect.
+A subcommand's module is imported only when it runs: `finetune inspect` never imports Prefect. Every entry point
+(this command and each `python -m flows.<module>`) runs through `closed_pipe_quiet`: `finetune inspect runs | head`
+ends without a BrokenPipeError traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 # subcommand -> (module whose main(argv) runs it, what it does)
@@ -41,7 +45,26 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def closed_pipe_quiet(command: Callable[[], int | None]) -> int | None:
+    """command(), its output flushed; a reader that went away early (`| head`) ends it with exit code 1 and no
+    traceback. The recipe of CPython's docs (signal, "Note on SIGPIPE"): flush inside the try, then point stdout
+    at devnull so the interpreter's own flush at exit has nothing left to fail on."""
+    try:
+        try:
+            return command()
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    return closed_pipe_quiet(lambda: _dispatch(argv)) or 0
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

@@ -3,7 +3,8 @@
 
 import sys
 
+from flows.console import closed_pipe_quiet
 from flows.orchestration.launch import run_main as main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(closed_pipe_quiet(main))

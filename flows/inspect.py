@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from flows.console import closed_pipe_quiet
 from flows.reports import inspect_cli
 
 
@@ -13,4 +14,4 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.inspect"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(closed_pipe_quiet(main))

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from flows.console import closed_pipe_quiet
 from flows.orchestration.prefect_env import use_project_defaults
 
 
@@ -35,4 +36,4 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.server")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(closed_pipe_quiet(main))

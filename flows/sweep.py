@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from flows.console import closed_pipe_quiet
 from flows.orchestration.launch import sweep_main
 
 
@@ -13,4 +14,4 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.sweep") 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(closed_pipe_quiet(main))

@@ -16,7 +16,7 @@ from torch import nn
 
 from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
-from stages.common.model_loading import ADAPTERS_INFO, load_info, load_model
+from stages.common.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model
 from stages.engine.errors import ConfigError
 from stages.engine.schema import AdaptersConfig
 from stages.engine.stage import StageContext
@@ -56,16 +56,6 @@ def lora_config(a: AdaptersConfig, task: str) -> Any:
                       modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=PEFT_TASK[task])
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total), counting packed 4-bit weights as the parameters they hold."""
-    peft_count = getattr(model, "get_nb_trainable_parameters", None)  # a PeftModel counts its own
-    if peft_count is not None:
-        return peft_count()
-    counts = [(p.numel() * (2 if type(p).__name__ == "Params4bit" else 1), p.requires_grad)
-              for p in model.parameters()]
-    return sum(n for n, grad in counts if grad), sum(n for n, _ in counts)
-
-
 def lora_module_names(model: nn.Module) -> list[str]:
     """Full names of the modules that carry LoRA weights (without the PEFT wrapper prefix)."""
     names = [n for n, mod in model.named_modules() if hasattr(mod, "lora_A") and len(getattr(mod, "lora_A", {}))]
@@ -84,7 +74,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         # the model stage's manifest has the count; loading the whole model only for it is a waste
         total = ctx.upstream_manifests.get("model", {}).get("metrics", {}).get("parameters")
         if total is None:  # an artifact from before the model stage recorded it
-            total = sum(p.numel() for p in load_model(model_dir).parameters())
+            total = count_parameters(load_model(model_dir))[1]
         facts = {"method": "full", "trainable": total, "total": total, "percent": 100.0}
         (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps(facts, indent=2))
         return facts

@@ -30,6 +30,7 @@ from stages.common.model_loading import (
     auto_class,
     bnb_config,
     compute_dtype,
+    count_parameters,
     hf_config,
     meta_and_plan,
     quiet_transformers,
@@ -136,7 +137,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     return {
         **info, **facts,
         "pad_token_id": pad,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "parameters": count_parameters(model)[1],
         "estimate": {"footprint_bytes": est.weights, "quant_constants_bytes": est.quant_constants,
                      "quantized_params": est.quantized_params, "fp32_kept_params": est.fp32_kept_params,
                      "vs_measured": round(est.weights / measured, 4)},

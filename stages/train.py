@@ -64,7 +64,7 @@ from stages.common.health import BestKeeper, Watchdog, check_settings
 from stages.common.hf import load_tokenizer
 from stages.common.interrupt import DeferredStop, StepAbandoned
 from stages.common.losses import accumulate_window, loss_units
-from stages.common.model_loading import load_trainable, save_trained
+from stages.common.model_loading import count_parameters, load_trainable, save_trained
 from stages.common.optim import grad_norm, make_optimizer, make_scheduler
 from stages.common.runlog import NoRunLog, RunLog
 from stages.common.validation import evaluate_loss, validation_rows
@@ -169,8 +169,7 @@ class TrainRun:
         self.runlog = (RunLog(work_dir / "logs", self.progress.step, log, self.total_steps) if self.is_main
                        else NoRunLog(log))
         self.last_loss: float | None = None
-        self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.n_total = sum(p.numel() for p in model.parameters())
+        self.n_trainable, self.n_total = count_parameters(model)
         log.info("train: %d examples, effective batch %d = micro-batch %d x accumulation %d%s, %d steps/epoch, "
                  "%d steps; %s lr %.2g; %d trainable of %d params (%.2f%%)", len(self.rows), self.effective,
                  tcfg.micro_batch_size, tcfg.gradient_accumulation_steps,

@@ -9,6 +9,7 @@ flows/orchestration/ calls the functions below.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import subprocess
 from dataclasses import dataclass
@@ -78,8 +79,16 @@ CHILD_FLOW_RUN_LINK = Workaround(
     "the API records a task run from its events a moment after the task starts; a flow run linked to it "
     "before then is refused (foreign key), so the sweep waits for the task run to be readable.")
 
+TEMPORARY_SERVER_HINT = Workaround(
+    "the temporary server's advice line", ">=3.9,<3.10", "prefect.server.api.server",
+    ("subprocess_server_logger", "SubprocessASGIServer.start"),
+    "every run without PREFECT_API_URL logged `Starting temporary server on URL` plus a second line, `See "
+    "https://www.prefect.io/docs/v3/concepts/server#how-to-guides for more information on running a dedicated "
+    "Prefect server.`, in one INFO record with no setting to turn it off; the README and docs/deployments.md "
+    "say how to run a server (`finetune server`), so a filter on that logger keeps the first line only.")
+
 WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBACK, TASK_RUN_NAMES,
-               CHILD_FLOW_RUN_LINK)
+               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT)
 
 # the loggers on which the engine logs a failed run's exception (ENGINE_TRACEBACK)
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
@@ -110,6 +119,24 @@ def start_temporary_server_in_own_session() -> None:
     import prefect.server.api.server as temporary_server
 
     temporary_server.subprocess = _ServerInOwnSession()  # type: ignore[assignment]
+
+
+class _FirstLineOfServerStart(logging.Filter):
+    """TEMPORARY_SERVER_HINT: `Starting temporary server on URL`, without the advice line after it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Starting temporary server on "):
+            record.msg = record.msg.split("\n", 1)[0]
+        return True
+
+
+def quiet_temporary_server_hint() -> None:
+    """TEMPORARY_SERVER_HINT (idempotent): a filter on the logger the temporary server's start is logged on."""
+    import prefect.server.api.server as temporary_server
+
+    logger = temporary_server.subprocess_server_logger
+    if not any(isinstance(f, _FirstLineOfServerStart) for f in logger.filters):
+        logger.addFilter(_FirstLineOfServerStart())
 
 
 def runner_with_sigterm_handler(on_sigterm: Any, **runner_kwargs: Any) -> Any:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from flows.orchestration.compat_prefect import start_temporary_server_in_own_session
+from flows.orchestration.compat_prefect import (
+    quiet_temporary_server_hint,
+    start_temporary_server_in_own_session,
+)
 from stages.engine.cli import terminated
 
 
@@ -26,5 +29,6 @@ def stop_cleanly_on_signals() -> None:
 
     if get_current_settings().api.url is None:  # no server configured: Prefect will start a temporary one
         start_temporary_server_in_own_session()
+        quiet_temporary_server_hint()
 
     signal.signal(signal.SIGTERM, terminated)

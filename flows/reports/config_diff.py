@@ -27,8 +27,7 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:
         why = [] if ka.key == kb.key else why_changed({**ka.key_inputs(), "code_objects": list(ka.code_objects)}, kb)
         stages.append({"stage": name, "shared": ka.key == kb.key, "a": ka.key, "b": kb.key, "why": why,
                        "a_in_store": hit_a[name].hit, "b_in_store": hit_b[name].hit})
-    da, db = flatten(_sections(a)), flatten(_sections(b))
-    params = [{"param": k, "a": da.get(k), "b": db.get(k)} for k in changed_params(_sections(a), _sections(b))]
+    params = _changed(_sections(a), _sections(b))
     finder = Finder(store)
     ma, mb = _stored_metrics(plan_a, store, finder), _stored_metrics(plan_b, store, finder)
     metrics = []
@@ -40,6 +39,32 @@ def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:
                         "change": vb - va if isinstance(va, int | float) and isinstance(vb, int | float) else None})
     return {"a": {"pipeline": a.name, "overrides": a.overrides}, "b": {"pipeline": b.name, "overrides": b.overrides},
             "stages": stages, "params": params, "metrics": metrics}
+
+
+def _changed(sa: dict[str, Any], sb: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per differing field, at the level where the two differ in kind: `model.from_config` null on one
+    side and a mapping on the other is one row showing both values, not a `None -> None` row plus one
+    `None -> 32` row per key. A field one side does not have is `set: false` there (shown as `-`)."""
+    da, db = flatten(sa), flatten(sb)
+    rows: dict[str, dict[str, Any]] = {}
+    for k in changed_params(sa, sb):
+        parts = k.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        at = next((p for p in prefixes if p in da or p in db), k)  # the shallowest leaf of either side
+        if at not in rows:
+            (va, a_set), (vb, b_set) = _value(sa, at), _value(sb, at)
+            rows[at] = {"param": at, "a": va, "b": vb, "a_set": a_set, "b_set": b_set}
+    return [rows[k] for k in sorted(rows)]
+
+
+def _value(sections: dict[str, Any], dotted: str) -> tuple[Any, bool]:
+    """The value at a dotted field and whether it is there at all."""
+    value: Any = sections
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None, False
+        value = value[part]
+    return value, True
 
 
 def _sections(cfg: PipelineConfig) -> dict[str, Any]:
@@ -70,7 +95,8 @@ def render_diff(d: dict[str, Any]) -> str:
         lines.append(f"  {s['stage']:<9} {state}")
         lines += [f"              {w}" for w in s["why"]]
     lines += ["", "params:" if d["params"] else "params: identical"]
-    lines += [f"  {p['param']:<40} {label(p['a']):>14} -> {label(p['b'])}" for p in d["params"]]
+    shown = lambda p, side: label(p[side]) if p[f"{side}_set"] else "-"  # noqa: E731
+    lines += [f"  {p['param']:<40} {shown(p, 'a'):>14} -> {shown(p, 'b')}" for p in d["params"]]
     lines += ["", "metrics (from the store; - = not run, * = stale: made by earlier code):" if d["metrics"]
               else "metrics: none in the store"]
     for m in d["metrics"]:

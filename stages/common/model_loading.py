@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from stages.common import memory
+from stages.common.compat.bitsandbytes import held_weights
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import (
     fp32_modules_quantized,
@@ -145,6 +146,13 @@ def quiet_transformers() -> None:
 
 
 # ---------------------------------------------------------------- loading the artifact
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) weights of a model, a packed 4-bit weight counted as the weights it holds: the one
+    count the model, adapters and train stages report (and so the model card, from train's metrics)."""
+    counts = [(held_weights(p), p.requires_grad) for p in model.parameters()]
+    return sum(n for n, grad in counts if grad), sum(n for n, _ in counts)
 
 
 def hf_dir(model_dir: Path) -> Path:

@@ -77,4 +77,5 @@ def test_bitsandbytes_targets_exist():
 
     qs = set(_params(bf.QuantState.__init__))
     assert {"absmax", "code", "offset", "state2"} <= qs, "quant_state_bytes: QuantState's fields changed"
+    assert "shape" in qs and "quant_state" in _params(bnn.Params4bit.__new__), "held_weights: revisit"
     assert "SCB" in _params(bnn.Int8Params.__new__), "quant_state_bytes: Int8Params.SCB is gone"

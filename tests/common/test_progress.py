@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import pty
+import subprocess
+import sys
+
+from helpers import ROOT
 
 from stages.common.progress import Progress, iterate
 
@@ -50,3 +57,48 @@ def test_in_a_terminal_a_bar_with_the_figures_and_log_lines_above_it(capsys, cap
     err = capsys.readouterr().err
     assert "train: 100%" in err and "3/3" in err and "loss=0.3333" in err and "tok_s=100" in err
     assert [r.getMessage() for r in caplog.records] == ["train: done, 3/3 steps in 0:00:00 | loss 0.3333 | tok/s 100"]
+
+
+STEPS = """
+import logging, sys
+from stages.common.progress import Progress
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+bar = Progress(20, "train", logging.getLogger("finetune.train"), unit="step")
+for step in range(20):
+    bar.set_postfix(loss=f"{1 / (step + 1):.4f}")
+    bar.update(1)
+bar.close()
+"""
+
+
+def steps_written_to(stderr: int | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FINETUNE_PROGRESS")}  # the default mode
+    return subprocess.run([sys.executable, "-c", STEPS], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          stderr=stderr, stdout=subprocess.DEVNULL, timeout=60)
+
+
+def test_a_log_that_is_not_a_terminal_gets_lines_never_carriage_returns(tmp_path):
+    """The mode follows the real stream: stderr a file (CI, `2>&1 | tee`, a worker's log) -> plain lines every
+    10%, no `\\r` redraws; stderr a terminal (a pty) -> the bar, redrawn with `\\r`."""
+    log = tmp_path / "train.log"
+    with log.open("w") as fh:
+        assert steps_written_to(fh.fileno()).returncode == 0
+    text = log.read_text()
+    assert "\r" not in text
+    assert [ln.split(" | ")[0] for ln in text.splitlines()] == [
+        *(f"train: {p:3d}% ({p // 5}/20 steps)" for p in range(10, 101, 10)), "train: done, 20/20 steps in 0:00:00"]
+
+    main, child = pty.openpty()
+    try:
+        assert steps_written_to(child).returncode == 0
+        os.close(child)
+        child = -1
+        out = b""
+        with contextlib.suppress(OSError):  # EIO once everything written is read
+            while chunk := os.read(main, 65536):
+                out += chunk
+    finally:
+        os.close(main)
+        if child >= 0:
+            os.close(child)
+    assert b"\r" in out and b"20/20" in out

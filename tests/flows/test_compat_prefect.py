@@ -65,3 +65,18 @@ def test_the_serve_runner_hands_sigterm_to_our_handler():
     assert calls == [1] and not compat_prefect.runner_is_serving(runner)
     assert compat_prefect.runner_processes(runner) == []
 
+
+
+def test_the_temporary_servers_start_is_one_line_without_advice(caplog):
+    import prefect.server.api.server as server
+
+    compat_prefect.quiet_temporary_server_hint()
+    compat_prefect.quiet_temporary_server_hint()  # idempotent: one filter
+    logger = server.subprocess_server_logger
+    assert sum(isinstance(f, compat_prefect._FirstLineOfServerStart) for f in logger.filters) == 1
+    with caplog.at_level("INFO", logger=logger.name):
+        logger.info("Starting temporary server on http://127.0.0.1:8000\nSee https://www.prefect.io/docs/v3/"
+                    "concepts/server#how-to-guides for more information on running a dedicated Prefect server.")
+        logger.info("another line\nSee https://example.org")  # any other record is left as it is
+    assert [r.getMessage() for r in caplog.records] == ["Starting temporary server on http://127.0.0.1:8000",
+                                                       "another line\nSee https://example.org"]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +69,23 @@ def test_predict_dispatches_or_says_it_is_missing(capsys):
     else:
         assert main(["predict"]) == 2
         assert capsys.readouterr().err.strip() == "error: finetune predict: this install has no flows.predict module yet"
+
+
+@pytest.mark.parametrize("command", [[str(SCRIPT), "inspect", "runs"], [sys.executable, "-m", "flows.inspect", "runs"],
+                                     [str(SCRIPT), "--help"]], ids=["finetune", "python -m flows.inspect", "help"])
+def test_a_reader_that_left_early_is_no_traceback(tmp_path, command):
+    """`finetune inspect runs | head`: the reader is gone before the command writes (a pipe whose read end is
+    closed, as after `head` exits). Exit 1, nothing on stderr: no BrokenPipeError, no 'Exception ignored'."""
+    env = {"PATH": f"{SCRIPT.parent}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+           "FINETUNE_STORE": str(tmp_path / "store"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run(command, cwd=ROOT, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert res.returncode == 1 and res.stderr == ""
+    # and through a shell, piped to head
+    shell = subprocess.run(["bash", "-c", f"{shlex.join(command)} | head -n 0; echo ${{PIPESTATUS[0]}}"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert shell.stderr == "" and shell.stdout.strip() in ("0", "1")

@@ -52,12 +52,38 @@ def test_demo_tiny_slice_end_to_end_then_cached_without_prefect(store_dir, capsy
     assert "test accuracy:" in text and "on 16 held-out real reviews" in text
     assert "trainable: " in text and str(out["export"].path) in text
     assert text.count(" cached ") == len(ALL)
+    assert "merged model + adapter/ + model card:" in text  # the demo exports the merged model at the top
+
+    # without --if-cached the summary only reads the store: it says so, and never "computed this run"
+    assert summary.main(["demo", *SETS]) == 0
+    text = capsys.readouterr().out
+    assert "computed this run" not in text and "read from the store (nothing run): 7 of 7 stages present" in text
 
     # anything left to compute: exit 3 (make demo then runs the Prefect flow), and nothing is computed
     events = len(out["train"].path.parents[1].joinpath("events.jsonl").read_text().splitlines())
     assert summary.main(["demo", *SETS, "--set", "train.lr=5e-4", "--if-cached"]) == summary.NOT_CACHED
     after = out["train"].path.parents[1].joinpath("events.jsonl").read_text().splitlines()
     assert len(after) == events
+
+
+def test_the_summary_says_what_ran_and_what_the_export_holds():
+    cfg = load_pipeline("demo")
+
+    def row(stage: str, status: str, metrics: dict | None = None) -> dict:
+        return {"stage": stage, "key": "k" * 64, "path": f"/store/{stage}", "present": status != "missing",
+                "manifest": {"metrics": metrics or {}}, "status": status, "event_time": None, "duration_s": 2.0}
+
+    export = {"method": "lora", "format": "merged", "merged": True}
+    rows = [row("data", "computed"), row("train", "cached"), row("export", "computed", export)]
+    ran = summary.render(cfg, rows, ran=True)
+    assert "computed this run: 2 of 3 stages, 4 s of stage time" in ran
+    assert "merged model + adapter/ + model card:" in ran and "exported adapter" not in ran
+    read = summary.render(cfg, [*rows[:2], row("export", "missing")])
+    assert "computed this run" not in read and "last run" in read
+    assert "read from the store (nothing run): 2 of 3 stages present, 1 computed when last run" in read
+    assert summary.export_contents({"method": "lora", "format": "adapter", "merged": True}) == \
+        "exported adapter + merged/ + model card"
+    assert summary.export_contents({"method": "full", "format": "merged"}) == "finetuned model + model card"
 
 
 def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):

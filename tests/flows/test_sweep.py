@@ -158,7 +158,7 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
     assert {s for s, v in stages.items() if v["shared"]} == set(SHARED)
     assert stages["train"]["why"] == ["changed params: train.lr"]
     assert stages["evaluate"]["why"] == ["changed upstream: train"]
-    assert d["params"] == [{"param": "train.lr", "a": 1e-3, "b": 1e-2}]
+    assert d["params"] == [{"param": "train.lr", "a": 1e-3, "b": 1e-2, "a_set": True, "b_set": True}]
     acc = next(m for m in d["metrics"] if m["metric"] == "evaluate.test.accuracy")
     assert (acc["a"], acc["b"]) == (by[1e-3]["mean"], by[1e-2]["mean"]) and not acc["a_stale"]
     assert "train.lr" in render_diff(d) and "changed params: train.lr" in render_diff(d)

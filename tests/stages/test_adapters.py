@@ -44,6 +44,12 @@ def run(c: PipelineConfig, root: Path, force: tuple[str, ...] = ()):
     return done["model"], done["adapters"]
 
 
+def unquantized(spec: dict) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**spec))
+
+
 def test_qlora_only_on_named_targets_and_trainable(tmp_path):
     c = cfg(LLAMA, "causal_lm", {"method": "lora", "r": 4, "alpha": 8, "dropout": 0.05,
                                  "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}, "4bit")
@@ -55,6 +61,9 @@ def test_qlora_only_on_named_targets_and_trainable(tmp_path):
     assert m["lora_modules"] == 4 and m["lora_targets"] == ["q_proj", "v_proj"]
     assert m["percent"] == pytest.approx(100 * m["trainable"] / m["total"], abs=1e-3)
     assert (out.path / "adapter" / "adapter_model.safetensors").is_file()
+    # a packed 4-bit weight counts as the weights it holds (numel() is half): the unquantized model's count
+    base = sum(p.numel() for p in unquantized(LLAMA).parameters())
+    assert model_out.manifest["metrics"]["parameters"] == base and m["total"] == base + m["trainable"]
 
     model = model_loading.load_trainable(model_out.path, out.path)
     wrapped = {n.removeprefix("base_model.model.") for n, mod in model.named_modules()
@@ -64,6 +73,8 @@ def test_qlora_only_on_named_targets_and_trainable(tmp_path):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert all("lora_" in n or "modules_to_save" in n for n in trainable)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == m["trainable"]
+    assert model_loading.count_parameters(model) == (m["trainable"], m["total"])  # what train logs and the card
+    assert sum(p.numel() for p in model.parameters()) < m["total"]  # which numel() undercounts
     # a training step reaches the adapters (lora_B starts at zero, so its gradient is the one that moves first)
     model.train()
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -56,12 +56,19 @@ def auto(task: str):
     ("tiny-imdb", IMDB + IMDB_LORA, "seq_cls"),
     ("tiny-billsum", BILLSUM + T5_4BIT, "seq2seq"),
 ], ids=["t5-lora", "bloom-classifier-lora", "t5-qlora-4bit"])
-def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipeline, sets, task):
+def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipeline, sets, task, caplog):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    out = helpers.run(pipeline, *sets, "export.merge=true")
+    with caplog.at_level("INFO", logger="finetune"):
+        out = helpers.run(pipeline, *sets, "export.merge=true")
     ex = out["export"].path
+    # one parameter count (a packed 4-bit weight counted as the weights it holds): the adapters stage's is
+    # the train log's, train's metrics' and the model card's
+    a = out["adapters"].manifest["metrics"]
+    assert out["train"].manifest["metrics"]["total_params"] == a["total"]
+    assert f"{a['trainable']} trainable of {a['total']} params" in caplog.text
+    assert f"| total_params | {a['total']} |" in (ex / "README.md").read_text()
     model, b = evaluated_and_batch(out, task)
     ref = logits(model, b, task)
 

@@ -1,7 +1,10 @@
 """bitsandbytes internals read to measure a quantized model: the quantization constants that
-get_memory_footprint does not count (4-bit `QuantState`, 8-bit `SCB`), which are not parameters."""
+get_memory_footprint does not count (4-bit `QuantState`, 8-bit `SCB`), which are not parameters, and the
+number of weights a packed 4-bit parameter holds."""
 
 from __future__ import annotations
+
+import math
 
 from torch import nn
 
@@ -24,3 +27,11 @@ def quant_state_bytes(model: nn.Module) -> int:
         if scb is not None and not any(scb is b for b in mod.buffers()):
             total += scb.numel() * scb.element_size()
     return total
+
+
+def held_weights(p: nn.Parameter) -> int:
+    """How many weights a parameter holds. A quantized `Params4bit` stores two 4-bit values per uint8 element
+    (its `numel()` is half the count, or less with a wider `quant_storage`); its `QuantState` keeps the
+    shape of the weight it packs. Any other parameter (a `Params4bit` not yet quantized included) is its numel."""
+    qs = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+    return math.prod(qs.shape) if qs is not None and getattr(qs, "shape", None) is not None else p.numel()
