@@ -15,6 +15,7 @@ setup) as measured: a projection, not a measurement of the hour-long run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -38,12 +39,28 @@ from stages.engine.config import load_pipeline  # noqa: E402
 from stages.engine.remote_store import open_store  # noqa: E402
 from stages.engine.runner import execute  # noqa: E402
 from stages.graph import GRAPH  # noqa: E402
-from stages.train import train_model  # noqa: E402
+from stages.train import TrainRun, train_model  # noqa: E402
 
 # the imdb-90 sweep's settings (pipeline.yaml `sweeps: imdb-90`), on a small train subset: only a few steps run
 IMDB90 = ["tokenize.max_length=512", "train.micro_batch_size=1", "train.gradient_accumulation_steps=16",
           "train.eval_every=null", "train.select_best=null"]
 MEASURED = {"wall_s": 62 * 60 + 56, "train_s": 3632, "evaluate_s": 98}  # README, the 8,192-review variant, fp32
+
+
+@contextlib.contextmanager
+def after_each_step(act):
+    """`act()` after each finished optimizer step (TrainRun.stop_here: also once after the loop, no step)."""
+    real = TrainRun.stop_here
+
+    def stop_here(self):
+        act()
+        real(self)
+
+    TrainRun.stop_here = stop_here
+    try:
+        yield
+    finally:
+        TrainRun.stop_here = real
 
 
 def clocks() -> tuple[float, float]:
@@ -75,10 +92,10 @@ def main() -> None:
             ends: list[tuple[float, float]] = []
             tcfg = cfg.train.model_copy(update={"mixed_precision": prec, "max_steps": args.steps,
                                                 "checkpoint_every": 10**6, "log_every": 10**6})
-            with tempfile.TemporaryDirectory() as d:
+            with tempfile.TemporaryDirectory() as d, after_each_step(lambda ends=ends: ends.append(clocks())):
                 m = train_model(model, ds["train"], None, tcfg, "seq_cls", pad_id, Path(d) / "o", Path(d) / "w",
-                                logging.getLogger("bench"),
-                                on_step=lambda step, loss, ends=ends: ends.append(clocks()))
+                                logging.getLogger("bench"))
+                ends.pop()  # the call after the loop
                 recs = [json.loads(x) for x in (Path(d) / "o" / "metrics.jsonl").read_text().splitlines()]
             tokens = sum(x["real_tokens"] for x in recs if x.get("kind") == "train")
             first = next(x["real_tokens"] for x in recs if x.get("kind") == "train")

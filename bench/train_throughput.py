@@ -225,13 +225,21 @@ def run_stage(make_model, tok, texts, labels, workdir: Path, device: torch.devic
             saving[0] += clocks()[0] - t[0]
             saving[1] += clocks()[1] - t[1]
 
+    real_stop_here = train_stage.TrainRun.stop_here  # called once after each finished step
+
+    def clocked_stop_here(self):
+        ends.append(clocks())
+        real_stop_here(self)
+
     train_stage.save_checkpoint = timed_save
+    train_stage.TrainRun.stop_here = clocked_stop_here
     try:
         m = train_stage.train_model(make_model(), rows, None, stage_config(precision), "seq_cls", tok.pad_token_id,
-                                    workdir / "out", workdir / "work", logging.getLogger("bench.train"),
-                                    on_step=lambda step, loss: ends.append(clocks()))
+                                    workdir / "out", workdir / "work", logging.getLogger("bench.train"))
     finally:
         train_stage.save_checkpoint = real_save
+        train_stage.TrainRun.stop_here = real_stop_here
+    ends.pop()  # the call after the loop (no step)
     recs = [json.loads(x) for x in (workdir / "out" / "metrics.jsonl").read_text().splitlines()]
     per_step = [r["real_tokens"] for r in recs if r["kind"] == "train"]
     return {"real": m["real_tokens"], "computed": m["padded_tokens"], "seconds": m["train_seconds"],

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so plann
     import pandas as pd
 
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
+HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
@@ -341,6 +342,30 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
         if len(v) == 0:
             raise DataError(f"split '{k}' is empty; check the source files and data.split / data.subset")
     return {k: v.reset_index(drop=True) for k, v in out.items()}
+
+
+def makes_validation(cfg: PipelineConfig) -> bool | None:
+    """Whether `split` will give a validation split, known before the stage runs from the config and the
+    source's split names (the train stage's plan-time check): shuffle_concat always cuts one, source mode
+    keeps the source's or carves data.split.validation from train. None: a hub dataset named by data.hub_id,
+    whose splits only its download shows."""
+    if cfg.data.split.mode == "shuffle_concat" or cfg.data.split.validation:
+        return True
+    splits = source_splits(cfg)
+    return None if splits is None else "validation" in splits
+
+
+def source_splits(cfg: PipelineConfig) -> set[str] | None:
+    """The splits the source has, from file names only (what `load_source` reads them into); None: unknown."""
+    d = cfg.data
+    if d.source == "local" or d.path:
+        files = _local_label_files(d)
+        if files is None:  # aclImdb
+            return {"train", "test"}
+        return {"train"} if local_path(d.path).is_file() else {s for f in files if (s := _split_of(f.name))}
+    if files := mirror_files(d):
+        return {"train", "test"} if d.source == "imdb" else {_split_of(f.name) or "train" for f in files}
+    return set(HUB_SPLITS[d.source]) if d.hub_id is None else None
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

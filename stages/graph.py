@@ -12,6 +12,7 @@ from stages.common import distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
+from stages.common.train_checks import check_config
 from stages.engine.plan import Graph
 from stages.engine.schema import CARD_SECTIONS
 from stages.engine.stage import Lazy, Stage
@@ -67,6 +68,7 @@ GRAPH = Graph([
         inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         reports=True,  # its loss and time are a run's headline numbers
+        check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(

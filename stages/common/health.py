@@ -36,22 +36,13 @@ from stages.common.checkpoint import (
     load_trainable_state,
     trainable_state,
 )
-from stages.engine.errors import DivergenceError, MissingInputError
-from stages.engine.schema import TrainConfig
+from stages.engine.errors import DivergenceError
 
 SMOOTH_ROWS = 256  # rows the loss is averaged over before it is compared
 HISTORY = 100  # averaged values (steps) the level is the median of
 FLOOR = 0.5  # nats: an averaged loss under this has not diverged (near zero, tenfold is still small)
 FIX = ("lower train.lr, clip gradients (train.max_grad_norm, e.g. 1.0), or train in fp32 "
        "(train.mixed_precision=no)")
-
-
-def check_settings(tcfg: TrainConfig, task: str, has_validation: bool) -> None:
-    """Before training: the settings that need a validation split have one, the metric fits the task."""
-    asked = [name for name in ("eval_every", "select_best", "early_stopping") if getattr(tcfg, name) is not None]
-    if asked and not has_validation:
-        raise MissingInputError(f"train.{asked[0]}: there is no validation split to evaluate (or it is empty); "
-                                f"set data.split.validation, or set train.{asked[0]} to null")
 
 
 class Watchdog:

@@ -1,40 +1,41 @@
-"""Optimizer, learning-rate schedule and gradient norm for the train stage."""
+"""The train stage's optimizers, by name (train.optimizer), and its learning-rate schedule."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from stages.engine.errors import MissingInputError
+
+def _adamw_8bit(groups: list[dict[str, Any]], lr: float, device: torch.device,
+                log: logging.Logger) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb  # optional: only the 8-bit optimizers need it (train_checks says so at plan time)
+
+    return bnb.optim.AdamW8bit(groups, lr=lr)
 
 
-def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float, device: torch.device,
-                   log: logging.Logger) -> torch.optim.Optimizer:
-    """adam (the BLOOM article's) | adamw_torch | adamw_8bit | paged_adamw_8bit (bitsandbytes). Weight
-    decay applies to matrices only, not to biases and norm weights (nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise MissingInputError("train: the model has no trainable parameters; check the adapters stage "
-                                "(adapters.method, adapters.target_modules)")
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    if name == "adam":
-        return torch.optim.Adam(groups, lr=lr)
-    if name == "adamw_torch":
-        return torch.optim.AdamW(groups, lr=lr)
+def _paged_adamw_8bit(groups: list[dict[str, Any]], lr: float, device: torch.device,
+                      log: logging.Logger) -> torch.optim.Optimizer:
     import bitsandbytes as bnb
 
-    if name == "paged_adamw_8bit":
-        if device.type == "cuda":
-            return bnb.optim.PagedAdamW8bit(groups, lr=lr)
-        log.warning("train.optimizer paged_adamw_8bit: paging needs CUDA; on %s using non-paged adamw_8bit "
-                    "(same update rule)", device.type)
+    if device.type == "cuda":
+        return bnb.optim.PagedAdamW8bit(groups, lr=lr)
+    log.warning("train.optimizer paged_adamw_8bit: paging needs CUDA; on %s using non-paged adamw_8bit "
+                "(same update rule)", device.type)
     return bnb.optim.AdamW8bit(groups, lr=lr)
+
+
+# train.optimizer -> its constructor (parameter groups, lr, device, log). The names are the schema's choices
+# (TrainConfig.optimizer, checked when the config loads); tests/stages/test_train.py keeps the two equal.
+OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], float, torch.device, logging.Logger], torch.optim.Optimizer]] = {
+    "adam": lambda groups, lr, device, log: torch.optim.Adam(groups, lr=lr),  # the BLOOM article's
+    "adamw_torch": lambda groups, lr, device, log: torch.optim.AdamW(groups, lr=lr),
+    "adamw_8bit": _adamw_8bit,  # bitsandbytes: 8-bit states
+    "paged_adamw_8bit": _paged_adamw_8bit,  # ... paged to CPU memory under GPU memory pressure
+}
 
 
 def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
@@ -47,22 +48,3 @@ def lr_factor(step: int, schedule: str, warmup: int, total: int) -> float:
     if schedule == "linear":
         return max(0.0, 1.0 - frac)
     return 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))  # cosine
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup: int, total: int) -> Any:
-    def factor(step: int) -> float:  # a plain function: the scheduler's state_dict stays tensors/numbers
-        return lr_factor(step, schedule, warmup, total)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def grad_norm(model: torch.nn.Module, accelerator: Any, max_norm: float | None) -> float:
-    """The gradients' total L2 norm *before* clipping (the first thing to look at when training goes
-    wrong), clipping them to `max_norm` when set. Gradients a grad scaler multiplied are unscaled first
-    (the scaler's step then does not unscale them twice)."""
-    if max_norm:
-        return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-    if accelerator.scaler is not None:
-        accelerator.unscale_gradients()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0

@@ -20,7 +20,7 @@ from stages.common.checkpoint import checkpoints
 from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
-from stages.train import train_model
+from stages.train import TrainRun, train_model
 
 HERE = Path(__file__).resolve().parent
 PATHS = [str(HERE), str(HERE.parent)]  # this module and tests/helpers.py, importable in the launched processes
@@ -33,20 +33,25 @@ SETTINGS = {"micro_batch_size": 1, "epochs": 2, "optimizer": "adamw_torch", "max
 
 def train_tiny(args: dict) -> dict:
     """Runs in each launched process: the tiny classifier, 1 x 2 per process; rank 0 saves its weights.
-    With `crash_at`, process 1 raises after that optimizer step."""
+    With `crash_at`, process 1 raises after that optimizer step; `settings` override SETTINGS."""
     from safetensors.torch import save_file
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])  # set by the launcher (the process group starts inside train_model)
+    if rank == 1 and "crash_at" in args:  # this process only: patched after each finished step
+        real = TrainRun.stop_here
 
-    def on_step(step: int, loss: float) -> None:
-        if rank == 1 and step == args.get("crash_at"):
-            raise RuntimeError(f"boom in the worker at step {step}")
+        def stop_here(self: TrainRun) -> None:
+            if self.progress.step == args["crash_at"]:
+                raise RuntimeError(f"boom in the worker at step {self.progress.step}")
+            real(self)
+
+        TrainRun.stop_here = stop_here  # type: ignore[method-assign]
 
     model = tiny_classifier()
     m = train_model(model, cls_rows(ROWS, seed=SEED), cls_rows(8, seed=SEED + 1),
-                    tcfg(**SETTINGS, gradient_accumulation_steps=2), "seq_cls", PAD, Path(args["out"]),
-                    Path(args["work"]), logging.getLogger("test.distributed"), on_step=on_step)
+                    tcfg(**{**SETTINGS, "gradient_accumulation_steps": 2, **args.get("settings", {})}), "seq_cls",
+                    PAD, Path(args["out"]), Path(args["work"]), logging.getLogger("test.distributed"))
     if rank == 0:
         save_file(trainable(model), args["weights"])
     return m
@@ -160,8 +165,17 @@ def test_the_stage_with_two_processes_through_the_store(store_dir):
     assert {"model.safetensors", "config.json"} <= {p.name for p in (art / "trained").iterdir()}
     assert (art / "metrics.jsonl").is_file() and (art / "loss.png").is_file()
     load_trained(out["model"].path, out["adapters"].path, art)
-    with pytest.raises(ConfigError, match=r"fp16 needs a CUDA GPU.*\(raised in process [01] of 2\)"):
-        run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", "train.mixed_precision=fp16", until="train")
+
+
+def test_a_config_error_in_a_launched_process_is_the_stage_error_of_its_class(tmp_path):
+    """fp16 on a CPU, past the plan-time check (launched directly): each process refuses it, and the launch
+    raises that ConfigError, its message saying where it was raised."""
+    if torch.cuda.is_available():
+        pytest.skip("fp16 works on this machine's GPU")
+    args = {"out": str(tmp_path / "o"), "work": str(tmp_path / "w"), "weights": str(tmp_path / "w.st"),
+            "settings": {"mixed_precision": "fp16"}}
+    with pytest.raises(ConfigError, match=r"^train.mixed_precision: fp16 needs a CUDA GPU.*\(raised in process [01] of 2\)$"):
+        launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS)
 
 
 @needs_shared_data

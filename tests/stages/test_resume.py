@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.checkpoint import checkpoints, latest_checkpoint
-from stages.train import train_model
+from stages.common.runlog import read_metrics
+from stages.train import TrainRun, train_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -31,23 +31,40 @@ def settings(**kw):
     return tcfg(**{**base, **kw})
 
 
-def train(work: Path, out: Path, on_step=None, **kw) -> tuple[dict, dict]:
+def train(work: Path, out: Path, **kw) -> tuple[dict, dict]:
     # dropout on, so the resumed run only matches if the RNG state was restored too
     model = tiny_classifier(dropout=0.1)
     m = train_model(model, cls_rows(96, seed=11), cls_rows(16, seed=12), settings(**kw), "seq_cls", PAD, out, work,
-                    log, on_step=on_step)
+                    log)
     return m, trainable(model)
+
+
+def after_step(monkeypatch, act) -> None:
+    """`act(step)` after each finished step, where the loop lets a requested stop take effect."""
+    real = TrainRun.stop_here
+
+    def stop_here(self):
+        act(self.progress.step)
+        real(self)
+
+    monkeypatch.setattr(TrainRun, "stop_here", stop_here)
+
+
+def crash_at(step: int):
+    def act(s: int) -> None:
+        if s == step:
+            raise KeyboardInterrupt
+
+    return act
 
 
 def child(work: str, out: str) -> None:
     """Run in a subprocess: train, printing each finished step, slowly enough to be killed mid-run."""
+    from test_train_health import slow_steps
+
     torch.set_num_threads(1)
-
-    def on_step(step, loss):
-        print(f"STEP {step}", flush=True)
-        time.sleep(0.15)
-
-    train(Path(work), Path(out), on_step)
+    slow_steps(TrainRun)
+    train(Path(work), Path(out))
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +116,13 @@ def test_kill_9_at_a_random_step_then_rerun_resumes_and_matches(trial, reference
     assert steps == list(range(1, STEPS + 1))  # nothing lost or doubled across the kill
 
 
-def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog):
+def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog, monkeypatch):
     """bitsandbytes optimizer state round-trips through the weights_only checkpoint."""
     kw = {"optimizer": "adamw_8bit", "checkpoint_every": 2, "max_steps": 6}
     _, ref = train(tmp_path / "w0", tmp_path / "o0", **kw)
-
-    def crash(step, loss):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(tmp_path / "w1", tmp_path / "o1", crash, **kw)
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        after_step(patch, crash_at(3))
+        train(tmp_path / "w1", tmp_path / "o1", **kw)
     with caplog.at_level(logging.INFO, logger="test.resume"):
         _, got = train(tmp_path / "w1", tmp_path / "o1", **kw)
     assert any("resumed from step 2 " in r.message for r in caplog.records)
@@ -118,28 +131,27 @@ def test_crash_and_resume_with_an_8bit_optimizer(tmp_path, caplog):
     assert {"optimizer", "scheduler", "scaler", "rng"} <= state.keys()
 
 
-def test_resume_from_an_older_checkpoint_without_first_loss(tmp_path, caplog):
+def test_resume_from_an_older_checkpoint_without_first_loss(tmp_path, caplog, monkeypatch):
     """A checkpoint written before progress.json had first_loss: the run resumes from it, ends with the
     uninterrupted run's weights and reports the first loss it saw itself (step 3's)."""
     kw = {"checkpoint_every": 2, "max_steps": 6}
-    losses: dict[int, float] = {}
-    _, ref = train(tmp_path / "w0", tmp_path / "o0", lambda step, loss: losses.setdefault(step, loss), **kw)
-
-    def crash(step, loss):
-        if step == 3:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(tmp_path / "w1", tmp_path / "o1", crash, **kw)
+    m0, ref = train(tmp_path / "w0", tmp_path / "o0", **kw)
+    # each step's loss as the run logged it (rounded to 6 places)
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "o0" / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(losses) == list(range(1, 7)) and abs(losses[3] - losses[1]) > 1e-3
+    assert m0["first_loss"] == pytest.approx(losses[1], abs=1e-6)
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        after_step(patch, crash_at(3))
+        train(tmp_path / "w1", tmp_path / "o1", **kw)
     progress_file = latest_checkpoint(tmp_path / "w1" / "checkpoints") / "progress.json"
     older = json.loads(progress_file.read_text())
-    assert older.pop("first_loss") == losses[1]
+    assert older.pop("first_loss") == m0["first_loss"]
     progress_file.write_text(json.dumps(older))
     with caplog.at_level(logging.INFO, logger="test.resume"):
         m, got = train(tmp_path / "w1", tmp_path / "o1", **kw)
     assert any("resumed from step 2 " in r.message for r in caplog.records)
     assert max_diff(ref, got) <= 1e-6
-    assert m["first_loss"] == losses[3]
+    assert m["first_loss"] == pytest.approx(losses[3], abs=1e-6)
 
 
 def test_incomplete_checkpoints_are_ignored(tmp_path):
@@ -155,7 +167,7 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
 @pytest.mark.parametrize("where", ["after step 5", "mid-step 6"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_checkpoints_the_last_finished_step_and_resume_matches(where, signum, reference, tmp_path,
-                                                                            caplog):
+                                                                            caplog, monkeypatch):
     """Ctrl-C / SIGTERM (a real signal to this process) at a step that is no checkpoint step: a checkpoint
     is written at step 5 (mid-step 6: that step is abandoned at its second micro-batch), the signal then
     takes its course (here a handler raising), and the resumed run ends with the uninterrupted weights."""
@@ -165,7 +177,7 @@ def test_a_stop_signal_checkpoints_the_last_finished_step_and_resume_matches(whe
     model = tiny_classifier(dropout=0.1)
     calls = {"forwards": 0}
 
-    def on_step(step, loss):
+    def after(step):
         if where == "after step 5" and step == 5:
             os.kill(os.getpid(), signum)
 
@@ -183,9 +195,10 @@ def test_a_stop_signal_checkpoints_the_last_finished_step_and_resume_matches(whe
     model.register_forward_pre_hook(forward_hook)
     before = signal.signal(signum, raise_stopped)
     try:
-        with pytest.raises(Stopped), caplog.at_level(logging.INFO, logger="test.resume"):
+        with monkeypatch.context() as patch, pytest.raises(Stopped), caplog.at_level(logging.INFO, logger="test.resume"):
+            after_step(patch, after)
             train_model(model, cls_rows(96, seed=11), cls_rows(16, seed=12), settings(), "seq_cls", PAD, out, work,
-                        log, on_step=on_step)
+                        log)
     finally:
         handler_after = signal.signal(signum, before)
     assert handler_after is raise_stopped  # the handler from before the run is back

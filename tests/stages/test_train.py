@@ -4,42 +4,60 @@ from __future__ import annotations
 
 import json
 import logging
+import typing
 
 import pytest
 import torch
 from helpers import needs_shared_data, run
 from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
 
-from stages.common.batching import Rows, collate
+from stages.common.batching import collate
 from stages.common.checkpoint import checkpoints
-from stages.common.optim import lr_factor
-from stages.train import accumulate_window, train_model
+from stages.common.health import Watchdog
+from stages.common.losses import loss_units, summed_loss
+from stages.common.optim import OPTIMIZERS, lr_factor
+from stages.engine.schema import TrainConfig
+from stages.train import train_model
 
 log = logging.getLogger("test.train")
 
 
-def window_grads(make_model, rows, micro: int, task: str) -> dict[str, torch.Tensor]:
-    model = make_model()
-    model.train()
-    batches = Rows(rows).batches(list(range(len(rows))), micro, PAD, task)
-    accumulate_window(model, batches, task)
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+def window_grads(make_model, rows, micro: int, task: str, tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
+    """The gradients the train loop's first step holds when its health check runs (after the window, before
+    the optimizer step; no clipping): all `rows` in one effective batch of micro-batches of `micro` rows."""
+    model, seen = make_model(), {}
+    real_check = Watchdog.check
+
+    def check(self, progress, loss, norm):
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return real_check(self, progress, loss, norm)
+
+    monkeypatch.setattr(Watchdog, "check", check)
+    accum = -(-len(rows) // micro)  # every row in the one step: micro x accum >= len(rows)
+    train_model(model, rows, None, tcfg(micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
+                task, PAD, tmp_path / f"out{micro}", tmp_path / f"work{micro}", log)
+    return seen
 
 
 @pytest.mark.parametrize("make_model,rows,task", [
     (tiny_classifier, cls_rows(8, seed=1), "seq_cls"),
     (tiny_t5, s2s_rows(8, seed=2), "seq2seq"),
 ], ids=["classifier", "seq2seq"])
-def test_k_by_1_and_1_by_k_give_the_same_gradients(make_model, rows, task):
+def test_k_by_1_and_1_by_k_give_the_same_gradients(make_model, rows, task, tmp_path, monkeypatch):
     lengths = sorted(len(r["input_ids"]) for r in rows)
     assert lengths[0] * 3 < lengths[-1]  # really uneven
-    big = window_grads(make_model, rows, micro=8, task=task)  # micro-batch 8 x accumulation 1
-    small = window_grads(make_model, rows, micro=1, task=task)  # micro-batch 1 x accumulation 8
-    mid = window_grads(make_model, rows, micro=3, task=task)  # 3 + 3 + 2: uneven micro-batches
+    big = window_grads(make_model, rows, 8, task, tmp_path, monkeypatch)  # micro-batch 8 x accumulation 1
+    small = window_grads(make_model, rows, 1, task, tmp_path, monkeypatch)  # micro-batch 1 x accumulation 8
+    mid = window_grads(make_model, rows, 3, task, tmp_path, monkeypatch)  # 3 + 3 + 2: uneven micro-batches
     d1, d2 = max_diff(big, small), max_diff(big, mid)
     print(f"{task}: max |grad(8x1) - grad(1x8)| = {d1:.2e}, vs 3x3 = {d2:.2e}")
     assert max(float(g.abs().max()) for g in big.values()) > 1e-3  # gradients are not trivially zero
     assert d1 < 1e-5 and d2 < 1e-5
+    # and they are the gradients of the loss averaged over the window's rows / target tokens
+    ref = make_model()
+    batch = collate(rows, PAD, task)
+    (summed_loss(ref, batch, task) / loss_units(batch, task)).backward()
+    assert max_diff(big, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}) < 1e-5
 
 
 def test_the_loop_gives_the_same_weights_for_k_by_1_and_1_by_k(tmp_path):
@@ -124,6 +142,11 @@ def test_optimizers_train_and_paged_falls_back_once_on_cpu(tmp_path, caplog, opt
     assert max_diff(before, trainable(model)) > 1e-4
     fallbacks = [r for r in caplog.records if "paging needs CUDA" in r.message]
     assert len(fallbacks) == (1 if optimizer == "paged_adamw_8bit" else 0)
+
+
+def test_the_optimizer_table_holds_every_name_the_schema_accepts():
+    """train.optimizer is checked when the config loads (the schema's choices); each choice has its constructor."""
+    assert set(OPTIMIZERS) == set(typing.get_args(TrainConfig.model_fields["optimizer"].annotation))
 
 
 def test_lr_schedules():

@@ -18,10 +18,11 @@ from helpers import needs_shared_data, run
 from safetensors.torch import load_file
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-import stages.common.losses as losses
 import stages.train as train_stage
 from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
 from stages.common.health import Watchdog
+from stages.common.interrupt import DeferredStop
+from stages.common.runlog import read_metrics
 from stages.engine.errors import DivergenceError, FinetuneError
 from stages.train import train_model
 
@@ -33,29 +34,34 @@ EARLY = {"micro_batch_size": 8, "max_steps": 200, "lr": 3e-3, "eval_every": 2, "
          "select_best": {"metric": "val_accuracy"}, "early_stopping": {"patience": 3}}
 
 
-def train_early(work: Path, out: Path, on_step=None) -> tuple[dict, dict]:
+def train_early(work: Path, out: Path, **kw) -> tuple[dict, dict]:
     model = tiny_classifier()
-    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**EARLY), "seq_cls", PAD, out, work,
-                    log, on_step=on_step)
+    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**{**EARLY, **kw}), "seq_cls", PAD,
+                    out, work, log)
     return m, trainable(model)
+
+
+def train_metrics(work: Path) -> list[dict]:
+    """What the run logged so far, one record per finished step or validation (work_dir/logs/metrics.jsonl)."""
+    return read_metrics(work / "logs" / "metrics.jsonl")
 
 
 @needs_shared_data
 def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store_dir, monkeypatch):
     nan_at = 5  # optimizer step whose loss (and so its gradients) turn NaN
     seen = {"step": 0}
-    real_window, real_loss = train_stage.accumulate_window, losses.summed_loss
+    real_start, real_loss = DeferredStop.step_starts, train_stage.summed_loss
 
-    def window(*a, **kw):  # one call per optimizer step in one process
+    def step_starts(self):  # once per optimizer step in one process
         seen["step"] += 1
-        return real_window(*a, **kw)
+        return real_start(self)
 
     def loss(*a, **kw):
         out = real_loss(*a, **kw)
         return out * float("nan") if seen["step"] == nan_at else out
 
-    monkeypatch.setattr(train_stage, "accumulate_window", window)
-    monkeypatch.setattr(losses, "summed_loss", loss)
+    monkeypatch.setattr(DeferredStop, "step_starts", step_starts)
+    monkeypatch.setattr(train_stage, "summed_loss", loss)
     sets = ("data.subset={train: 48, validation: 8, test: 8}", "train.max_steps=8", "train.checkpoint_every=2")
     with pytest.raises(DivergenceError) as err:
         run("tiny-imdb", *sets, until="train")
@@ -72,11 +78,11 @@ def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store
 
 
 def test_an_exploding_loss_from_a_huge_learning_rate_is_caught(tmp_path):
-    losses = []
     with pytest.raises(DivergenceError, match=r"diverged at step \d+: the loss averaged") as err:
         train_model(tiny_classifier(), cls_rows(128, seed=1), None,
                     tcfg(micro_batch_size=4, gradient_accumulation_steps=4, max_steps=40, lr=0.9), "seq_cls", PAD,
-                    tmp_path / "o", tmp_path / "w", log, on_step=lambda s, loss: losses.append(loss))
+                    tmp_path / "o", tmp_path / "w", log)
+    losses = [r["loss"] for r in train_metrics(tmp_path / "w")]  # the steps that reached the weights
     print(err.value, losses)
     assert len(losses) < 10 and f"diverged at step {len(losses) + 1}:" in str(err.value)  # caught at once, before
     assert "no checkpoint was written before it" in str(err.value)  # the step reaches the weights
@@ -115,11 +121,10 @@ def test_fp16_scaler_skips_are_counted_and_only_a_long_run_of_them_is_divergence
 
 
 def test_early_stopping_keeps_the_best_step_weights(tmp_path):
-    snapshots: dict[int, dict] = {}
-    model = tiny_classifier()
-    m = train_model(model, cls_rows(64, seed=1), cls_rows(32, seed=2), tcfg(**EARLY), "seq_cls", PAD,
-                    tmp_path / "out", tmp_path / "work", log,
-                    on_step=lambda step, loss: snapshots.__setitem__(step, trainable(model)))
+    # a checkpoint after every step, all kept: each step's weights as the run wrote them
+    m, weights = train_early(tmp_path / "work", tmp_path / "out", checkpoint_every=1, keep_checkpoints=1000)
+    snapshots = {s: load_file(str(p / "trainable.safetensors")) for s, p in checkpoints(tmp_path / "work" / "checkpoints")}
+    assert sorted(snapshots) == list(range(1, m["steps"] + 1))
     vals = [(v["step"], v["val_accuracy"]) for v in m["validation"]]
     print(m["stopped"], m["best"], vals)
     best = m["best"]
@@ -128,7 +133,7 @@ def test_early_stopping_keeps_the_best_step_weights(tmp_path):
     assert best["value"] == max(a for _, a in vals) and best["step"] == min(s for s, a in vals if a == best["value"])
     assert all(a <= best["value"] for s, a in vals if s > best["step"])  # patience ran out on no improvement
     assert len([s for s, _ in vals if s > best["step"]]) == 3  # patience 3
-    assert max_diff(trainable(model), snapshots[best["step"]]) == 0  # the model holds the best step's weights
+    assert max_diff(weights, snapshots[best["step"]]) == 0  # the model holds the best step's weights
     last = load_file(str(tmp_path / "out" / "last" / "trainable.safetensors"))
     assert max_diff(last, snapshots[m["steps"]]) == 0 and max_diff(last, snapshots[best["step"]]) > 0
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
@@ -137,12 +142,21 @@ def test_early_stopping_keeps_the_best_step_weights(tmp_path):
 def child(work: str, out: str) -> None:
     """Run in a subprocess: train, printing each finished step, slowly enough to be killed mid-run."""
     torch.set_num_threads(1)
+    slow_steps(train_stage.TrainRun)
+    train_early(Path(work), Path(out))
 
-    def on_step(step, loss):
-        print(f"STEP {step}", flush=True)
+
+def slow_steps(run_class) -> None:
+    """After each finished step (its checkpoint written; where a requested stop takes effect): "STEP n" on
+    stdout and a pause, for a parent process that kills this one at a chosen step."""
+    real = run_class.stop_here
+
+    def stop_here(self):
+        print(f"STEP {self.progress.step}", flush=True)
         time.sleep(0.15)
+        real(self)
 
-    train_early(Path(work), Path(out), on_step)
+    run_class.stop_here = stop_here
 
 
 def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_the_same_step(tmp_path, caplog):
