@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 from stages.common.distributed import check_accelerate_config
-from stages.common.precision import device_type, resolve_precision
+from stages.common import precision
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.schema import PipelineConfig, TrainConfig
 
@@ -25,13 +25,13 @@ def check_config(cfg: PipelineConfig, has_validation: bool | None = None) -> Non
     if has_validation is not None:
         check_validation(t, has_validation)
     if t.mixed_precision == "fp16":
-        resolve_precision(t.mixed_precision, device_type())  # fp16 needs a CUDA GPU
+        precision.resolve_precision(t.mixed_precision, precision.device_type())  # fp16 needs a CUDA GPU
     library = OPTIMIZER_LIBRARIES.get(t.optimizer)
     if library is not None and importlib.util.find_spec(library) is None:
         raise ConfigError(f"train.optimizer: {t.optimizer} needs {library}, which is not installed; pip install "
                           f"{library}, or set train.optimizer to adamw_torch")
     launched = t.num_processes > 1 or t.num_machines > 1
-    if t.num_processes > 1 and device_type() == "cuda":
+    if t.num_processes > 1 and precision.device_type() == "cuda":
         import torch  # only where a GPU driver is present; on a CPU the processes are gloo processes
 
         if (gpus := torch.cuda.device_count()) < t.num_processes:

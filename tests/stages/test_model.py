@@ -128,11 +128,22 @@ def test_t5_wo_kept_fp32_unless_asked(tmp_path):
     assert type(loaded.encoder.block[0].layer[1].DenseReluDense.wo).__name__ == "Linear4bit"
 
 
-def test_memory_check_stops_before_loading(tmp_path, monkeypatch):
+def test_a_forced_model_stage_still_runs_the_fit_check(tmp_path, monkeypatch):
+    """--force model decides to compute without a lookup, and computing starts with the pipeline's memory-fit
+    check (runner.run_step: precheck); with that check out of the way the body's own check stops it too."""
+    from stages.common import pipeline_memory
+
     monkeypatch.setattr(model_stage.memory, "free_memory", lambda: (100_000, "test device"))
     monkeypatch.setattr(model_stage, "bnb_config", lambda *a: pytest.fail("loading started"))
     with pytest.raises(ConfigError) as e:
-        run_model(tiny_cfg("llama"), tmp_path, force=True)  # force skips the pipeline precheck: the body's check
+        run_model(tiny_cfg("llama"), tmp_path, force=True)
+    msg = str(e.value)
+    assert msg.startswith("pipeline test-llama: estimated") and "test device" in msg and "before loading" in msg
+    assert all(k in msg for k in ("quantization.mode=4bit", "micro_batch_size", "gradient_checkpointing"))
+
+    monkeypatch.setattr(pipeline_memory, "check_pipeline_fits", lambda cfg: None)
+    with pytest.raises(ConfigError) as e:
+        run_model(tiny_cfg("llama"), tmp_path, force=True)
     msg = str(e.value)
     assert msg.startswith("model tiny-llama (none): estimated")
     assert "test device" in msg and "before loading" in msg
@@ -142,7 +153,7 @@ def test_memory_check_stops_before_loading(tmp_path, monkeypatch):
 def test_hub_model_fails_fast_offline(tmp_path):
     cfg = PipelineConfig.model_validate({"name": "hub", "model": {"name": "bigscience/bloom-560m"}})
     t0 = time.perf_counter()
-    with pytest.raises(HubUnreachableError, match="local copy"):
+    with pytest.raises(HubUnreachableError, match="not in its local cache"):
         run_model(cfg, tmp_path)
     assert time.perf_counter() - t0 < 3
 
