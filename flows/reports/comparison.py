@@ -196,7 +196,7 @@ def param_value(cfg: PipelineConfig, dotted: str) -> Any:
 
 def compare(sw: Sweep, store: Store) -> Comparison:
     finder = Finder(store)
-    full = {r.label: GRAPH.plan(r.cfg, store) for r in sw.runs}
+    full = {r.label: GRAPH.plan(r.cfg, store, pinned=False) for r in sw.runs}
     plans = {label: {p.name: p.key for p in pl.items} for label, pl in full.items()}
     # a stage is shared when another *variant* has its key (a variant's seeds share more among themselves)
     shared = Counter(k for name in sw.variants() for k in {(sk.stage, sk.key) for r in sw.runs if r.variant == name

@@ -18,7 +18,7 @@ from stages.graph import GRAPH
 
 def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:
     """Stages shared or differing (and why), parameters and metrics that differ, from the store."""
-    plan_a, plan_b = GRAPH.plan(a, store), GRAPH.plan(b, store)
+    plan_a, plan_b = GRAPH.plan(a, store, pinned=False), GRAPH.plan(b, store, pinned=False)
     pa, pb = {p.name: p.key for p in plan_a.items}, {p.name: p.key for p in plan_b.items}
     hit_a, hit_b = lookups(plan_a, store), lookups(plan_b, store)
     stages = []

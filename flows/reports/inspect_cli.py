@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
         cfg = load_pipeline(args.pipeline, args.overrides, args.config)
         if args.command == "memory":
             return cmd_memory(cfg)
-        statuses = pipeline_status(GRAPH.plan(cfg, store), store)
+        statuses = pipeline_status(GRAPH.plan(cfg, store, pinned=False), store)
         if args.command == "status":
             if args.json:
                 print(json.dumps({"pipeline": cfg.name, "store": str(store),

@@ -112,7 +112,7 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
     from stages.graph import GRAPH
 
     cfg, store = load_pipeline(target, overrides, config), open_store()
-    st = find(pipeline_status(GRAPH.plan(cfg, store), store), "export")
+    st = find(pipeline_status(GRAPH.plan(cfg, store, pinned=False), store), "export")
     if st.status != CACHED or st.path is None:
         why = "; ".join(st.reasons) or st.status
         raise MissingInputError(f"{cfg.name}: no current export ({st.status}: {why}); make it with: "

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.summary") -
     def go() -> int:
         t0 = time.perf_counter()
         store = open_store()
-        plan = GRAPH.plan(GRAPH.load(args), store, verify=args.verify)
+        plan = GRAPH.plan(GRAPH.load(args), store, verify=args.verify, pinned=False)
         cfg = plan.cfg
         rows, ran = stage_rows(plan, store), False
         if args.if_cached:

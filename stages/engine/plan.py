@@ -95,17 +95,18 @@ class Graph:
     def validate(self, cfg: PipelineConfig, only: str | None = None, until: str | None = None) -> PipelineConfig:
         """Every check `plan` makes, without hashing anything: the resolved config (a sweep checks each
         variant this way before its first run starts)."""
-        return self._checked(cfg, only, until)[0]
+        return self._checked(cfg, only, until, True)[0]
 
     def plan(self, cfg: PipelineConfig, store: Store | None = None, *, only: str | None = None,
              until: str | None = None, force: Iterable[str] = (), verify: bool = False,
-             hashes: HashMemo | None = None) -> Plan:
+             hashes: HashMemo | None = None, pinned: bool = True) -> Plan:
         """Resolve, check and key `cfg` for every stage, then select (--only / --until) and force. Input
         files are hashed through the store's memo (`store`, else `hashes`, else this process's); nothing is
-        written before every check has passed."""
+        written before every check has passed. `pinned=False` (a report: status, diff, gc): a hub revision
+        this machine cannot resolve stays `unresolved` in its key instead of stopping the plan."""
         force = tuple(force)
         self.check_selection(force, only, until)
-        cfg, files, deps = self._checked(cfg, only, until)
+        cfg, files, deps = self._checked(cfg, only, until, pinned)
         memo = store.hashes() if store is not None else hashes or PROCESS_MEMO
         keys: dict[str, StageKey] = {}
         items = []
@@ -118,7 +119,7 @@ class Graph:
             items.append(Planned(st, keys[st.name]))
         return Plan(cfg, self, tuple(items), verify).select(only, until).forcing(force)
 
-    def _checked(self, cfg: PipelineConfig, only: str | None, until: str | None) \
+    def _checked(self, cfg: PipelineConfig, only: str | None, until: str | None, pinned: bool) \
             -> tuple[PipelineConfig, dict[str, list[Path] | dict[str, Path]], dict[str, dict[str, str]]]:
         """Everything that can be known before a run, checked without touching the store: the stage options,
         the stages' derived fields and the data they read (Stage.resolve), each stage's config checks
@@ -138,7 +139,7 @@ class Graph:
         needed = set(chosen) | {a for n in chosen for a in self.ancestors(n)}
         for st in self.stages:
             for dep, sha in deps[st.name].items():
-                if st.name in needed and sha == UNRESOLVED:
+                if pinned and st.name in needed and sha == UNRESOLVED:
                     repo = dep.removeprefix("hub ")
                     raise HubUnreachableError(f"stage {st.name}: {repo} is on the Hugging Face hub, which does not "
                                               f"answer (or HF_HUB_OFFLINE is set), and not in its local cache; "

@@ -261,7 +261,7 @@ def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFA
     keep: set[tuple[str, str]] = set()
     for name in pipeline_names(Path(pipelines_file)):
         try:
-            plan = graph.plan(load_pipeline(name, None, pipelines_file), store)
+            plan = graph.plan(load_pipeline(name, None, pipelines_file), store, pinned=False)
             items = plan.items
         except FinetuneError as e:
             raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \

@@ -71,7 +71,7 @@ def test_stage_error_fails_the_flow_with_one_line(prefect_server, store_dir, tmp
     assert not (store_dir / "data").exists()
     # an unknown stage name fails the flow with run_pipeline's one line, before any stage runs
     bad = finetune("tiny-imdb", SMALL, until="trian", return_state=True)
-    assert bad.is_failed() and bad.message.startswith("ConfigError: --until trian: unknown stage; stages are data,")
+    assert bad.is_failed() and bad.message.startswith("ConfigError: --until trian: unknown stage (did you mean train?); stages are data,")
 
 
 def flow_run_logs(flow_run_id) -> list:

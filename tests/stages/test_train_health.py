@@ -199,6 +199,7 @@ def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_
     from flows.reports.run_summary import render, stage_rows
     from stages.engine.config import load_pipeline
     from stages.engine.remote_store import open_store
+    from stages.graph import GRAPH
 
     sets = ["data.subset={train: 48, validation: 16, test: 8}", "train.max_steps=8", "train.lr=1e-2",
             "train.eval_every=2", "train.select_best={metric: val_loss}"]
@@ -215,8 +216,8 @@ def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_
     assert len(shared) > 10
     same = all(torch.equal(trained[k], last[k]) for k in shared)
     assert m["best"]["step"] < 8 and not same  # trained/ holds the best step's weights, last/ the 8th step's
-    cfg = load_pipeline("tiny-imdb", sets)
-    text = render(cfg, stage_rows(cfg, open_store()))
+    plan = GRAPH.plan(load_pipeline("tiny-imdb", sets), open_store())
+    text = render(plan.cfg, stage_rows(plan, open_store()))
     assert f"best: val_loss {m['best']['value']:.4f} at step {m['best']['step']} of 8" in text
 
 
