@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from stages.common.distributed import check_accelerate_config
 from stages.common import precision
+from stages.common.distributed import check_accelerate_config
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.schema import PipelineConfig, TrainConfig
 

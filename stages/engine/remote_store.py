@@ -73,9 +73,10 @@ class RemoteStore(Store):
 
     def read_manifest(self, stage: str, key: str) -> dict[str, Any] | None:
         try:
-            return json.loads(self.fs.cat_file(self._r(stage, key, MANIFEST)))
+            manifest = json.loads(self.fs.cat_file(self._r(stage, key, MANIFEST)))
         except (OSError, ValueError, FileNotFoundError):
             return None
+        return manifest if isinstance(manifest, dict) else None
 
     def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
         manifest = self.read_manifest(stage, key)
@@ -98,8 +99,8 @@ class RemoteStore(Store):
         return out
 
     def size(self, stage: str, key: str) -> int:
-        m = self.read_manifest(stage, key) or {}
-        return sum(f.get("size", 0) for f in m.get("files", []))
+        m = self.read_manifest(stage, key)
+        return sum(f["size"] for f in m["files"]) if m is not None and not manifest_problems(m, stage, key) else 0
 
     def entries(self) -> Iterator[tuple[str, str, Path]]:
         if not self.fs.exists(self.base):

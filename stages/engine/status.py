@@ -175,11 +175,17 @@ def lookups(plan: Plan, store: Store) -> dict[str, Lookup]:
     """The hit rule (Store.lookup) for every stage of the plan, as a run would meet it: each stage checked
     against its upstream artifacts' content digests where those are hits. Where an upstream is not a hit
     it is computed first, and its new content is unknown until then: the stage is judged on its own files
-    (a run reuses it when the upstream comes out as it recorded, and recomputes it otherwise)."""
+    and, when they pass, its hit is conditional (`why` names the upstreams): the run reuses it when they
+    come out as recorded (a deterministic stage does), and recomputes it otherwise."""
     out: dict[str, Lookup] = {}
     for item in plan.items:
         ups = {u: (out[u].manifest or {}).get("digest") if out[u].hit else None for u in item.stage.upstream}
-        out[item.name] = store.lookup(item.key, ups, plan.verify)
+        found = store.lookup(item.key, ups, plan.verify)
+        pending = [u for u in item.stage.upstream if not out[u].hit or out[u].why != CACHED]
+        if found.hit and pending:
+            found = Lookup(True, f"cached if {' and '.join(pending)} (computed first) comes out as recorded; "
+                                 "recomputed otherwise", found.manifest)
+        out[item.name] = found
     return out
 
 
@@ -188,6 +194,8 @@ def stage_status(store: Store, pipeline: str, item: Planned, found: Lookup) -> S
     st = StageStatus(stage=sk.stage, key=sk.key, status=MISSING)
     if found.hit:
         st.status = CACHED
+        if found.why != CACHED:
+            st.reasons = [found.why]
         for k, v in _artifact_facts(store, sk.stage, sk.key).items():
             setattr(st, k, v)
         return st

@@ -216,11 +216,14 @@ class Store:
 
     # ------------------------------------------------------------ reading
     def read_manifest(self, stage: str, key: str) -> dict[str, Any] | None:
+        """The parsed manifest when it is a JSON object (check it with manifest_problems before trusting
+        its fields), else None."""
         path = self.artifact_dir(stage, key) / MANIFEST
         try:
-            return json.loads(path.read_text())
+            manifest = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        return manifest if isinstance(manifest, dict) else None
 
     def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
         """Why this artifact is not a valid cache entry ([] when it is)."""
@@ -264,8 +267,8 @@ class Store:
     def size(self, stage: str, key: str) -> int:
         """Bytes of an artifact: from its manifest, else what is on disk."""
         m = self.read_manifest(stage, key)
-        if m is not None:
-            return sum(f.get("size", 0) for f in m.get("files", []))
+        if m is not None and not manifest_problems(m, stage, key):
+            return sum(f["size"] for f in m["files"])
         return folder_size(self.artifact_dir(stage, key))
 
     def work_entries(self) -> Iterator[tuple[str, str, Path]]:
