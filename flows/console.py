@@ -47,50 +47,57 @@ def usage() -> str:
 
 def closed_pipe_quiet(command: Callable[[], int | None]) -> int | None:
     """command(), its output flushed; a reader that went away early (`| head`) ends it with exit code 1 and no
-    traceback. The recipe of CPython's docs (signal, "Note on SIGPIPE"): flush inside the try, then point stdout
-    at devnull so the interpreter's own flush at exit has nothing left to fail on."""
+    traceback (a `python -m flows.<module>` entry point; `main` below inlines the same)."""
     try:
         try:
             return command()
         finally:
             sys.stdout.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1
+        return stdout_gone()
+
+
+def stdout_gone() -> int:
+    """The recipe of CPython's docs (signal, "Note on SIGPIPE"): after the BrokenPipeError, point stdout at
+    devnull so the interpreter's own flush at exit has nothing left to fail on; exit code 1."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    return closed_pipe_quiet(lambda: _dispatch(argv)) or 0
-
-
-def _dispatch(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage())
-        return 0 if argv else 2
-    if argv[0] == "--version":
-        try:
-            print(f"finetune {version('finetune')}")
-        except PackageNotFoundError:
-            print("finetune (not installed)")
-        return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"error: unknown command '{name}'; commands: {', '.join(COMMANDS)} (finetune --help)", file=sys.stderr)
-        return 2
-    module_name = COMMANDS[name][0]
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        print(f"error: finetune {name}: this install has no {module_name} module yet", file=sys.stderr)
-        return 2
-    command = module.main
-    if "prog" in inspect.signature(command).parameters:
-        return command(rest, prog=f"finetune {name}")
-    return command(rest)
+        try:
+            if not argv or argv[0] in ("-h", "--help", "help"):
+                print(usage())
+                return 0 if argv else 2
+            if argv[0] == "--version":
+                try:
+                    print(f"finetune {version('finetune')}")
+                except PackageNotFoundError:
+                    print("finetune (not installed)")
+                return 0
+            name, rest = argv[0], argv[1:]
+            if name not in COMMANDS:
+                print(f"error: unknown command '{name}'; commands: {', '.join(COMMANDS)} (finetune --help)",
+                      file=sys.stderr)
+                return 2
+            module_name = COMMANDS[name][0]
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as e:
+                if e.name != module_name:
+                    raise
+                print(f"error: finetune {name}: this install has no {module_name} module yet", file=sys.stderr)
+                return 2
+            command = module.main  # the subcommand runs in this frame's callee: no dispatch frames between
+            if "prog" in inspect.signature(command).parameters:
+                return command(rest, prog=f"finetune {name}") or 0
+            return command(rest) or 0
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return stdout_gone()
 
 
 if __name__ == "__main__":

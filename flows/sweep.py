@@ -1,17 +1,10 @@
 """`python -m flows.sweep NAME | PIPELINE --grid KEY=V1,V2 ... [--parallel N]` (= `finetune sweep`): variants of
 a pipeline as child runs of the `sweep` flow through one store; flows/orchestration/launch.py."""
 
-from __future__ import annotations
-
 import sys
 
 from flows.console import closed_pipe_quiet
-from flows.orchestration.launch import sweep_main
-
-
-def main(argv: list[str] | None = None, *, prog: str = "python -m flows.sweep") -> int:
-    return sweep_main(argv, prog=prog)
-
+from flows.orchestration.launch import sweep_main as main
 
 if __name__ == "__main__":
     sys.exit(closed_pipe_quiet(main))

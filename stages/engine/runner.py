@@ -16,7 +16,7 @@ from stages.engine.errors import MissingInputError
 from stages.engine.plan import FORCE, Plan, Planned
 from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
-from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
+from stages.engine.stage import JOINED, ConfigView, StageContext, loaded, stage_params
 from stages.engine.store import Outcome, Store
 
 log = logging.getLogger("finetune")
@@ -48,7 +48,7 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
         return joined_stage(item, store, context, role)
     if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
         st.precheck(plan.cfg)
-    outcome = store.run(sk, st.body, pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
+    outcome = store.run(sk, loaded(st.body), pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
                         upstream_digests=digests, force=force, verify=plan.verify, args=context)
     store.set_ref(plan.cfg.name, st.name, sk.key)
     return outcome

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from stages.engine.fingerprint import OUTPUT_LIBRARIES
 from stages.engine.schema import PipelineConfig
@@ -26,8 +26,17 @@ class Lazy:
     def __init__(self, module: str, name: str):
         self.__module__, self.__qualname__ = module, name
 
+    def load(self) -> Callable[..., Any]:
+        """The function itself (imported now)."""
+        return cast(Callable[..., Any], getattr(importlib.import_module(self.__module__), self.__qualname__))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(self.__module__), self.__qualname__)(*args, **kwargs)
+        return self.load()(*args, **kwargs)
+
+
+def loaded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A Lazy's function, imported; any other callable as it is."""
+    return fn.load() if isinstance(fn, Lazy) else fn
 
     def __repr__(self) -> str:
         return f"Lazy({self.__module__}.{self.__qualname__})"

@@ -37,6 +37,40 @@ def task_states(flow_run_id) -> dict[str, str]:
     return asyncio.run(read())
 
 
+def test_finetune_run_reaches_a_stage_body_in_seven_project_frames(prefect_server, store_dir, monkeypatch):
+    """`finetune run tiny-imdb --until data`, in this process: from the console command to the data stage's
+    body the stack holds these project functions and no others (Prefect's own frames between them apart),
+    and the pipeline file is read once."""
+    from flows import console
+    from stages import data
+    from stages.engine import config
+
+    chains, loads = [], []
+    real_read = config.read_yaml
+    monkeypatch.setattr(config, "read_yaml", lambda path: loads.append(path) or real_read(path))
+    project = (str(ROOT / "flows"), str(ROOT / "stages"))
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is data.run.__code__:
+            chain, f = [], frame
+            while f is not None:
+                if f.f_code.co_filename.startswith(project):
+                    chain.append(f"{Path(f.f_code.co_filename).stem}.{f.f_code.co_qualname}")
+                f = f.f_back
+            chains.append(chain[::-1])
+
+    sys.setprofile(profile)
+    try:
+        rc = console.main(["run", "tiny-imdb", "--until", "data", "--force", "data",
+                           "--set", "data.subset={train: 40, validation: 8, test: 8}"])
+    finally:
+        sys.setprofile(None)
+    assert rc == 0
+    assert chains == [["console.main", "launch.run_main", "finetune_flow.finetune", "finetune_flow.stage_task",
+                       "runner.run_step", "store.Store.run", "data.run"]]
+    assert loads == [ROOT / "pipeline.yaml"]  # the config is read (and validated, resolved, keyed) once
+
+
 def test_second_flow_run_is_all_cached(prefect_server, store_dir):
     from flows.orchestration.finetune_flow import finetune
 
