@@ -30,6 +30,7 @@ import torch
 from stages.common import inference, metrics
 from stages.common.arrow import read_split
 from stages.common.batching import collate
+from stages.common.compat.bitsandbytes import exact_cpu_kernels
 from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer
 from stages.common.inference import batches, class_logits, device_for, generation_kwargs, prompt_of
@@ -43,15 +44,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines
-
-
-def exact_cpu_kernels(model: torch.nn.Module) -> None:
-    """bitsandbytes 4-bit layers on a CPU with AVX512-BF16 repack their weights at the first no-grad forward
-    and then compute in bf16 (2-3 significant digits). Keep them on the fp32 dequantize-and-matmul path,
-    the one training used: the metrics are then those of the fp32 model the export stage merges."""
-    for mod in model.modules():
-        if getattr(mod, "support_avx512bf16_for_cpu", False):
-            setattr(mod, "support_avx512bf16_for_cpu", False)  # noqa: B010  # not an attribute nn.Module declares
 
 
 def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFModel:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from stages.common.compat.peft import peft_dispatch
+from stages.common.compat.transformers import drop_quantization_config
 from stages.common.hf import load_tokenizer, split_gguf
 from stages.common.inference import generation_kwargs
 from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, load_trained
@@ -129,7 +130,7 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
         merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.eval()
     untied = untie_if_diverged(merged)
-    merged.config.__dict__.pop("quantization_config", None)  # plain weights now
+    drop_quantization_config(merged)  # plain weights now
     merged.config.dtype = dtype
     return merged, {"dequantized_from": info["quantization"] if info["quantization"] != "none" else None,
                     "untied_lm_head": untied}

@@ -79,3 +79,24 @@ def test_bitsandbytes_targets_exist():
     assert {"absmax", "code", "offset", "state2"} <= qs, "quant_state_bytes: QuantState's fields changed"
     assert "shape" in qs and "quant_state" in _params(bnn.Params4bit.__new__), "held_weights: revisit"
     assert "SCB" in _params(bnn.Int8Params.__new__), "quant_state_bytes: Int8Params.SCB is gone"
+
+
+def test_bitsandbytes_cpu_flag_is_still_the_one_linear4bit_reads():
+    import bitsandbytes.nn as bnn
+
+    from stages.common.compat.bitsandbytes import CPU_BF16_FLAG
+
+    assert CPU_BF16_FLAG in inspect.getsource(bnn.Linear4bit), "exact_cpu_kernels: Linear4bit's CPU flag changed"
+
+
+def test_transformers_config_keeps_quantization_config_in_its_dict():
+    from transformers import PretrainedConfig
+
+    from stages.common.compat.transformers import drop_quantization_config
+
+    class Holder:
+        config = PretrainedConfig(quantization_config={"quant_method": "bitsandbytes"})
+
+    assert "quantization_config" in Holder.config.to_dict()
+    drop_quantization_config(Holder)
+    assert "quantization_config" not in Holder.config.to_dict(), "drop_quantization_config: revisit"

@@ -13,9 +13,10 @@ import torch
 from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
 from stages.common.batching import collate
+from stages.common.compat.bitsandbytes import exact_cpu_kernels
 from stages.common.model_loading import load_model
 from stages.engine.config import load_pipeline
-from stages.evaluate import exact_cpu_kernels, load_evaluated
+from stages.evaluate import load_evaluated
 
 pytestmark = needs_shared_data
 

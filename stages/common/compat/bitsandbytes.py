@@ -1,6 +1,7 @@
 """bitsandbytes internals read to measure a quantized model: the quantization constants that
 get_memory_footprint does not count (4-bit `QuantState`, 8-bit `SCB`), which are not parameters, and the
-number of weights a packed 4-bit parameter holds."""
+number of weights a packed 4-bit parameter holds; the flag that keeps 4-bit layers on a CPU on their exact
+fp32 path."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def held_weights(p: nn.Parameter) -> int:
     shape of the weight it packs. Any other parameter (a `Params4bit` not yet quantized included) is its numel."""
     qs = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
     return math.prod(qs.shape) if qs is not None and getattr(qs, "shape", None) is not None else p.numel()
+
+
+def exact_cpu_kernels(model: nn.Module) -> None:
+    """bitsandbytes 4-bit layers on a CPU with AVX512-BF16 repack their weights at the first no-grad forward
+    and then compute in bf16 (2-3 significant digits). Keep them on the fp32 dequantize-and-matmul path,
+    the one training used: the metrics are then those of the fp32 model the export stage merges."""
+    for mod in model.modules():
+        if getattr(mod, CPU_BF16_FLAG, False):
+            setattr(mod, CPU_BF16_FLAG, False)  # not an attribute nn.Module declares
+
+
+CPU_BF16_FLAG = "support_avx512bf16_for_cpu"  # set by Linear4bit where the CPU has AVX512-BF16

@@ -1,6 +1,6 @@
 """transformers workarounds: the class attributes that keep modules in fp32 (`_keep_in_fp32_modules*`),
-its quantizer helpers that decide which modules bitsandbytes converts, and the quantizer marker a GGUF
-load leaves on a model."""
+its quantizer helpers that decide which modules bitsandbytes converts, the quantizer marker a GGUF load
+leaves on a model, and the quantization config a dequantized model keeps."""
 
 from __future__ import annotations
 
@@ -56,7 +56,13 @@ def matches_modules(name: str, patterns: tuple[str, ...]) -> bool:
 def clear_gguf_quantizer(model: Any) -> None:
     """A GGUF load leaves a quantizer that refuses save_pretrained; the weights are plain fp32 tensors."""
     model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
+    drop_quantization_config(model)
     for attr in ("quantization_method", "is_quantized"):
         with contextlib.suppress(AttributeError):
             model.__dict__.pop(attr, None)
+
+
+def drop_quantization_config(model: Any) -> None:
+    """A dequantized (or merged) model's config without the `quantization_config` its load left: PretrainedConfig
+    has no API to unset it, and save_pretrained would write it into config.json (a reload would quantize)."""
+    model.config.__dict__.pop("quantization_config", None)
