@@ -17,11 +17,10 @@ from torch import nn
 from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
 from stages.common.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model
+from stages.common.tasks import task_of
 from stages.engine.errors import ConfigError
 from stages.engine.schema import AdaptersConfig
 from stages.engine.stage import StageContext
-
-PEFT_TASK = {"seq_cls": "SEQ_CLS", "seq2seq": "SEQ_2_SEQ_LM", "causal_lm": "CAUSAL_LM"}
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -53,7 +52,7 @@ def lora_config(a: AdaptersConfig, task: str) -> Any:
 
     return LoraConfig(r=a.r, lora_alpha=a.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
                       lora_dropout=a.dropout, target_modules=list(a.target_modules),
-                      modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=PEFT_TASK[task])
+                      modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=task_of(task).peft_task_type)
 
 
 def lora_module_names(model: nn.Module) -> list[str]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, label_column, read_table
+from stages.common.tasks import task_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.schema import DataConfig, PipelineConfig
@@ -242,7 +243,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
     """seq_cls: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
     labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
     they use. A count that contradicts the names is a ConfigError naming both."""
-    if cfg.model.task != "seq_cls":
+    if not task_of(cfg.model.task).classifies:
         return cfg
     names, n = cfg.data.label_names, cfg.model.num_labels
     if names is None:
@@ -275,24 +276,20 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     """Keep id/text/label/target with stable ids; check columns and labels."""
     import pandas as pd
 
-    d, task = cfg.data, cfg.model.task
-    target_col = d.target_column or (DEFAULT_TARGET.get(d.source) if task != "seq_cls" else None)
+    d, task = cfg.data, task_of(cfg.model.task)
+    target_col = d.target_column or task.default_target(DEFAULT_TARGET.get(d.source))
     out = {}
     for split, df in frames.items():
-        need: dict[str, str | None] = {"data.text_column": d.text_column}
-        if task == "seq_cls":
-            need["data.label_column"] = d.label_column
-        elif task == "seq2seq":
-            need["data.target_column"] = target_col
+        need = {"data.text_column": d.text_column, **task.required_columns(d, target_col)}
         for key, col in need.items():
             if col is None:
-                raise DataError(f"{key} is not set but task {task} needs it; set it in pipeline.yaml")
+                raise DataError(f"{key} is not set but task {task.name} needs it; set it in pipeline.yaml")
             if col not in df.columns:
                 raise MissingInputError(f"{split} split has no column '{col}' (columns: {', '.join(map(str, df.columns))}); "
                                         f"set {key} to one of them")
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
         cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
-        if task == "seq_cls":
+        if task.classifies:
             cols["label"] = label_ids(df[d.label_column], d.label_names, cfg.model.num_labels, split)
         if target_col and target_col in df.columns:
             cols["target"] = df[target_col].astype(str).to_numpy()
@@ -382,7 +379,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if "label" in df:
             stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
                                                      df["label"].value_counts().sort_index().items()}
-    if cfg.model.task == "seq_cls" and cfg.data.label_names:
+    if task_of(cfg.model.task).classifies and cfg.data.label_names:
         stats["label_names"] = list(cfg.data.label_names)
     ctx.log.info("data: %s rows from %s", stats["rows"], origin)
     return stats

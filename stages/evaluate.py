@@ -5,6 +5,8 @@
                               the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
 
+each computed by the task's object (stages/common/tasks.py: Task.evaluate).
+
 The scores come from the `evaluate` modules `evaluate.metrics` names (default: the task's; the project's
 offline accuracy / f1 / rouge modules, stages/common/metrics.py); the confusion matrix is computed here.
 
@@ -20,22 +22,20 @@ this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from stages.common import inference, metrics
+from stages.common import metrics
 from stages.common.arrow import read_split
-from stages.common.batching import collate
 from stages.common.compat.bitsandbytes import exact_cpu_kernels
 from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer
-from stages.common.inference import batches, class_logits, device_for, generation_kwargs, prompt_of
-from stages.common.losses import loss_units, summed_loss
+from stages.common.inference import device_for
 from stages.common.model_loading import load_trained
+from stages.common.tasks import task_of
 from stages.engine.errors import MissingInputError
 from stages.engine.stage import StageContext
 
@@ -52,29 +52,6 @@ def load_evaluated(model_dir: Path, adapters_dir: Path, train_dir: Path) -> HFMo
     model = load_trained(model_dir, adapters_dir, train_dir)
     exact_cpu_kernels(model)
     return model
-
-
-@torch.no_grad()
-def classify(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
-             desc: str) -> list[int]:
-    """Predicted class ids, in row order."""
-    logits = class_logits(model, rows["input_ids"], pad_id, batch_size, device, desc, log)
-    return [int(p) for p in logits.argmax(-1).tolist()]
-
-
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, rows: dict[str, list], pad_id: int, batch_size: int, device: torch.device,
-               desc: str) -> dict[str, float]:
-
-    total, units = 0.0, 0
-    lengths = [len(x) for x in rows["input_ids"]]
-    for idx in batches(lengths, batch_size, desc, log):
-        b = collate([{"input_ids": rows["input_ids"][j], "labels": rows["labels"][j]} for j in idx], pad_id,
-                    "causal_lm").to(device)
-        total += float(summed_loss(model, b, "causal_lm"))
-        units += loss_units(b, "causal_lm")
-    loss = total / max(units, 1)
-    return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()), "tokens": units}
 
 
 # ---------------------------------------------------------------- the stage
@@ -105,7 +82,7 @@ def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
 def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
 
-    e, task = ctx.cfg.evaluate, ctx.cfg.model.task
+    e, task = ctx.cfg.evaluate, task_of(ctx.cfg.model.task)
     tok_dir = ctx.upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     missing = [s for s in e.splits if s not in ds]
@@ -117,7 +94,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     device = device_for(model)
     precision = resolve_precision(ctx.cfg.train.mixed_precision, device)  # training's, resolved at plan
     ctx.log.info("evaluate: device %s, precision %s (%s)", device, precision.name, precision.reason)
-    gen = generation_kwargs(e, tok, model) if task != "seq_cls" else {}
+    gen = task.generation(e, tok, model)
     scores = metrics.metric_names(e.metrics, task)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
@@ -129,29 +106,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 part = part.select(range(min(e.max_examples, len(part))))
             rows = part.to_dict()
             ids = [str(x) for x in rows["id"]]
-            desc = f"evaluate {split}"
-            if task == "seq_cls":
-                refs: list[Any] = [int(x) for x in rows["labels"]]
-                preds: list[Any] = classify(model, rows, tok.pad_token_id, e.batch_size, device, desc)
-                num_labels = int(model.config.num_labels)  # type: ignore[arg-type]  # a classifier's, set
-                results[split] = metrics.classification_metrics(preds, refs, num_labels, scores)
-            else:
-                found = references(ctx.upstream["data"], split, ids)
-                if found is None and task == "causal_lm":  # plain language modelling: no targets to compare
-                    results[split] = {"examples": len(ids), **perplexity(model, rows, tok.pad_token_id,
-                                                                         e.batch_size, device, desc)}
-                    continue
-                if found is None:
-                    raise MissingInputError(f"evaluate {split}: the data has no target texts for ROUGE; set "
-                                            f"data.target_column")
-                refs = found
-                prompts = rows["input_ids"] if task == "seq2seq" else [
-                    prompt_of(x, y) for x, y in zip(rows["input_ids"], rows["labels"], strict=True)]
-                preds, counts = inference.generate(model, prompts, tok, gen, e.batch_size, device, task == "causal_lm",
-                                                   desc, log)
-                results[split] = {"examples": len(ids), **metrics.compute(scores, preds, refs),
-                                  "generated_tokens_mean": sum(counts) / max(len(counts), 1),
-                                  "generated_tokens_max": max(counts, default=0)}
+            results[split], preds, refs = task.evaluate(
+                model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
+                desc=f"evaluate {split}", log=log,
+                targets=functools.partial(references, ctx.upstream["data"], split, ids))
+            if preds is None:  # nothing predicted (a causal LM without targets: perplexity)
+                continue
             for i, p, r in zip(ids, preds, refs, strict=True):
                 out.write(json.dumps(prediction_record(split, i, p, r, names)) + "\n")
             shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
@@ -162,6 +122,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 ctx.log.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
                              str(rec["reference"])[:200])
     (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    return {"task": task, "splits": results, **({"label_names": names} if names else {}),
+    return {"task": task.name, "splits": results, **({"label_names": names} if names else {}),
             "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

@@ -35,8 +35,8 @@ import torch
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import drop_quantization_config
 from stages.common.hf import load_tokenizer, split_gguf
-from stages.common.inference import generation_kwargs
 from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, load_trained
+from stages.common.tasks import Task, task_of
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
 from stages.engine.schema import CARD_SECTIONS, PipelineConfig
@@ -47,11 +47,6 @@ if TYPE_CHECKING:
 
 
 PIPELINE_JSON, PIPELINE_YAML = "finetune_pipeline.json", "finetune_pipeline.yaml"
-AUTO_MODEL = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
-              "causal_lm": "AutoModelForCausalLM"}
-AUTO_PEFT = {task: name.replace("AutoModel", "AutoPeftModel") for task, name in AUTO_MODEL.items()}
-PIPELINE_TAG = {"seq_cls": "text-classification", "seq2seq": "text2text-generation",
-                "causal_lm": "text-generation"}
 HUB_DATASETS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 
 
@@ -69,7 +64,7 @@ def top_format(cfg: Any) -> str:
     if cfg.adapters.method == "full":
         return "model"
     m, x = cfg.model, cfg.export
-    alone = hub_base(m) and m.task != "seq_cls"
+    alone = hub_base(m) and not task_of(m.task).classifies
     if x.format == "adapter" and not alone:
         why = ("its base is not on a hub" if not hub_base(m) else
                "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
@@ -136,12 +131,12 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
                     "untied_lm_head": untied}
 
 
-def generation_config(model_dir: Path, e: Any, tok: Any, task: str) -> Any:
+def generation_config(model_dir: Path, e: Any, tok: Any, task: Task) -> Any:
     """The base's generation config with the evaluate stage's settings (greedy or beams, max_new_tokens, the
-    closing special as end token): what evaluate generated with. None for a classifier."""
+    closing special as end token): what evaluate generated with. None for a task that does not generate."""
     from transformers import AutoConfig, GenerationConfig
 
-    if task == "seq_cls":
+    if not task.generates:
         return None
     folder = Path(model_dir) / "model" if (Path(model_dir) / "model" / LOAD_INFO).is_file() else Path(model_dir)
     config = AutoConfig.from_pretrained(str(folder))
@@ -149,7 +144,7 @@ def generation_config(model_dir: Path, e: Any, tok: Any, task: str) -> Any:
         gen = GenerationConfig.from_pretrained(str(folder))
     except OSError:
         gen = GenerationConfig.from_model_config(config)
-    gen.update(**generation_kwargs(e, tok, _Configured(config)))
+    gen.update(**task.generation(e, tok, _Configured(config)))
     return gen
 
 
@@ -158,14 +153,14 @@ class _Configured:
         self.config = config
 
 
-def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: str) -> Any:
+def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: Task) -> Any:
     """The tokenize stage's tokenizer, truncating at tokenize.max_length by default (model_max_length),
     giving input_ids + attention_mask, padding decoder-only prompts on the left."""
     tok = load_tokenizer(tok_dir)
     tok.model_max_length = t.max_length
     # the stages feed the model these two only (a BERT tokenizer on a T5 / BLOOM would add token_type_ids)
     tok.model_input_names = tok.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
-    if task == "causal_lm":
+    if task.decoder_only:
         tok.padding_side = "left"
     tok.save_pretrained(str(out))
     return tok
@@ -232,7 +227,7 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     import yaml
 
     m, d = sections["model"], sections["data"]
-    task = PIPELINE_TAG[m["task"]]
+    task = task_of(m["task"]).pipeline_tag
     meta: dict[str, Any] = {}
     if revision is not None:  # a hub base: its id (the revision is the adapter config's)
         meta["base_model"] = m["name"]
@@ -253,39 +248,22 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-EXAMPLES = {"seq_cls": ["A wonderful, moving film with a great cast.", "Dull, predictable and far too long."],
-            "seq2seq": ["This bill amends the Internal Revenue Code to extend the tax credit for small businesses "
-                        "that hire veterans through 2030."],
-            "causal_lm": ["Once upon a time"]}
-
-
-def usage_snippet(task: str, fmt: str, prefix: str) -> str:
-    """Python that loads the folder with transformers (+ peft) alone and runs it on two texts; run it from the
-    export folder (or set `folder` to its path)."""
-    cls = AUTO_PEFT[task] if fmt == "adapter" else AUTO_MODEL[task]
+def usage_snippet(task: Task, fmt: str, prefix: str) -> str:
+    """Python that loads the folder with transformers (+ peft) alone and runs it on the task's example texts;
+    run it from the export folder (or set `folder` to its path)."""
+    cls = task.auto_peft_class if fmt == "adapter" else task.auto_class
     lib = "peft" if fmt == "adapter" else "transformers"
     lines = ["import torch"]
     if fmt == "adapter":
         lines += [f"from peft import {cls}", "from transformers import AutoTokenizer"
-                  + (", GenerationConfig" if task != "seq_cls" else "")]
+                  + (", GenerationConfig" if task.generates else "")]
     else:
         lines += [f"from {lib} import AutoTokenizer, {cls}"]
     lines += ["", 'folder = "."  # this export folder', "tok = AutoTokenizer.from_pretrained(folder)",
-              f"model = {cls}.from_pretrained(folder).eval()", f"texts = {EXAMPLES[task]!r}"]
+              f"model = {cls}.from_pretrained(folder).eval()", f"texts = {task.examples!r}"]
     inputs = f"[{prefix!r} + t for t in texts]" if prefix else "texts"
     lines += [f"batch = tok({inputs}, truncation=True, padding=True, return_tensors=\"pt\")"]
-    if task == "seq_cls":
-        lines += ["with torch.no_grad():", "    probs = model(**batch).logits.softmax(-1)",
-                  "for text, p in zip(texts, probs):",
-                  "    print(model.config.id2label[int(p.argmax())], round(float(p.max()), 3), text)"]
-    else:
-        gen = ", generation_config=GenerationConfig.from_pretrained(folder)" if fmt == "adapter" else ""
-        lines += ["with torch.no_grad():  # generation_config.json: the evaluate stage's settings",
-                  f"    out = model.generate(**batch{gen})"]
-        if task == "causal_lm":
-            lines += ["out = out[:, batch[\"input_ids\"].shape[1]:]  # the continuation only"]
-        lines += ["for text in tok.batch_decode(out, skip_special_tokens=True):", "    print(text.strip())"]
-    return "\n".join(lines)
+    return "\n".join(lines + task.usage_lines(fmt))
 
 
 FILES = {
@@ -302,28 +280,28 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
          evaluated: dict[str, dict[str, float]]) -> str:
     import yaml
 
-    m, task = sections["model"], sections["model"]["task"]
+    m, task = sections["model"], task_of(sections["model"]["task"])
     lines = [front_matter(name, sections, fmt, revision, evaluated) + f"# {name}", ""]
     if description:
         lines += [description, ""]
     base = f"`{m['name']}`" + (f" (hub, commit `{revision}`)" if revision else
                                 " (not on a hub: the weights at the top of this folder stand alone)")
-    lines += [f"Task `{task}`, base model {base}, adapters `{sections['adapters']['method']}`, quantization "
+    lines += [f"Task `{task.name}`, base model {base}, adapters `{sections['adapters']['method']}`, quantization "
               f"`{sections['quantization']['mode']}`.", ""]
     if evaluated:
         lines += ["## Evaluation", "", "| split | metric | value |", "|---|---|---|"]
         lines += [f"| {s} | {k} | {round(float(v), 4)} |" for s, vals in evaluated.items() for k, v in vals.items()]
         lines += [""]
     deq = f", dequantized from {facts['dequantized_from']}" if facts.get("dequantized_from") else ""
-    top = FILES[fmt].format(dtype=facts.get("dtype", "float32"), deq=deq, auto=AUTO_MODEL[task],
-                            peft=AUTO_PEFT[task], base=m["name"], rev=revision)
+    top = FILES[fmt].format(dtype=facts.get("dtype", "float32"), deq=deq, auto=task.auto_class,
+                            peft=task.auto_peft_class, base=m["name"], rev=revision)
     lines += ["## Files", "", f"- top of the folder: {top}; tokenizer files (truncating at "
               f"{sections['tokenize']['max_length']} tokens)"]
     lines += [f"- `{k}/`: {v}" for k, v in extra.items()]
     lines += [f"- `{PIPELINE_YAML}`: this pipeline for `--config` (every in-key setting that is not a default); "
               f"`{PIPELINE_JSON}`: every in-key setting",
               "- `README.md`: this card", ""]
-    names = sections["data"].get("label_names") if task == "seq_cls" else None
+    names = sections["data"].get("label_names") if task.classifies else None
     if names:  # also the exported config's id2label / label2id
         lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
         lines += [""]
@@ -364,7 +342,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model_dir, train_dir = ctx.upstream["model"], ctx.upstream["train"]
     trained = train_dir / "trained"
     dtype = DTYPES[x.merged_dtype]
-    task, method = cfg.model.task, cfg.adapters.method
+    task, method = task_of(cfg.model.task), cfg.adapters.method
     fmt = top_format(cfg)
     revision = pinned_revision(ctx) if hub_base(cfg.model) else None
     tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, task)

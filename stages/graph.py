@@ -12,6 +12,7 @@ from stages.common import distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
+from stages.common.tasks import task_of
 from stages.common.train_checks import check_config
 from stages.engine.plan import Graph
 from stages.engine.schema import CARD_SECTIONS
@@ -77,7 +78,7 @@ GRAPH = Graph([
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
         reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
-        inputs=metric_files,  # the evaluate modules' files: loaded by path, not imported
+        inputs=lambda cfg: metric_files(cfg, task_of(cfg.model.task)),  # the evaluate modules' files, by path
         reports=True,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),

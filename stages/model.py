@@ -35,6 +35,7 @@ from stages.common.model_loading import (
     meta_and_plan,
     quiet_transformers,
 )
+from stages.common.tasks import task_of
 from stages.engine.stage import StageContext
 from stages.engine.units import human_bytes
 
@@ -66,7 +67,7 @@ def describe(model: PreTrainedModel) -> dict[str, Any]:
 # ---------------------------------------------------------------- the stage
 
 def _set_pad_token(ctx: StageContext, config: Any) -> int | None:
-    if ctx.cfg.model.task != "seq_cls" or getattr(config, "pad_token_id", None) is not None:
+    if not task_of(ctx.cfg.model.task).classifies or getattr(config, "pad_token_id", None) is not None:
         return getattr(config, "pad_token_id", None)
     try:
         pad = load_tokenizer(ctx.cfg).pad_token_id
@@ -81,7 +82,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     quiet_transformers()
     m, q = ctx.cfg.model, ctx.cfg.quantization
     config = hf_config(m)
-    names = ctx.cfg.data.label_names if m.task == "seq_cls" else None
+    names = ctx.cfg.data.label_names if task_of(m.task).classifies else None
     if names:  # the classes by name in the model's config, and so in every model exported from it
         config.id2label = dict(enumerate(names))
         config.label2id = {n: i for i, n in enumerate(names)}

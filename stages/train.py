@@ -14,7 +14,7 @@ checkpoint. Settings that cannot work are refused at plan time, before any stage
 Each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps rows, chosen
 by a seeded length-grouped sampler: stages/common/batching.py), cuts it into micro-batches padded to their
 own longest row, and runs forward/backward on each. The loss is a *sum* divided by the count over the whole
-effective batch (rows for classification, target tokens for LM tasks: stages/common/losses.py), so
+effective batch (rows for classification, target tokens for LM tasks: the task's, stages/common/tasks.py), so
 micro-batch k x accumulation 1 and micro-batch 1 x accumulation k give the same gradients (transformers'
 Trainer instead scales by the number of micro-batches). A CUDA out-of-memory error halves the micro-batch and
 doubles accumulation (the same effective batch) and retries the step. Before the optimizer step the gradient
@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import save_file
 
 from stages.common import distributed
-from stages.common.batching import Rows, epoch_batches
+from stages.common.batching import Rows, epoch_batches, validation_rows
 from stages.common.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -68,18 +68,14 @@ from stages.common.device import (
 from stages.common.health import BestKeeper, Watchdog
 from stages.common.hf import load_tokenizer
 from stages.common.interrupt import DeferredStop, StepAbandoned
-from stages.common.losses import loss_units, summed_loss
 from stages.common.model_loading import count_parameters, load_trainable, save_trained
 from stages.common.optim import OPTIMIZERS, lr_factor
 from stages.common.runlog import NoRunLog, RunLog
+from stages.common.tasks import task_of
 from stages.common.train_checks import check_validation
-from stages.common.validation import evaluate_loss, validation_rows
-from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.errors import MissingInputError
 from stages.engine.schema import TrainConfig
 from stages.engine.stage import StageContext
-
-TASKS = ("seq_cls", "seq2seq", "causal_lm")
-
 
 # ====================================================================== the stage
 
@@ -122,10 +118,8 @@ class TrainRun:
     """One training run, torchtune's recipe shape: construct, setup(), train(), cleanup()."""
 
     def __init__(self, cfg: TrainConfig, task: str, work_dir: Path, log: logging.Logger):
-        if task not in TASKS:
-            raise ConfigError(f"model.task: {task!r} is not one of {TASKS}")
         self.cfg = cfg
-        self.task = task
+        self.task = task_of(task)
         self.log = log
         self.work_dir = work_dir
         self.ckpt_dir = work_dir / "checkpoints"
@@ -253,11 +247,11 @@ class TrainRun:
                         else:
                             micro = [mb.to(self.device) for mb in
                                      self.rows.batches(idx, p.micro_batch_size, self.pad_id, task)]
-                            units = max(sum(loss_units(mb, task) for mb in micro), 1)
+                            units = max(sum(task.loss_units(mb) for mb in micro), 1)
                             total = torch.zeros((), device=self.device)  # read once per step: keeps a GPU busy
                             for mb in micro:
                                 self.stop.check()  # a stop signal abandons the step here
-                                part = summed_loss(self.model, mb, task) / units
+                                part = task.summed_loss(self.model, mb) / units
                                 self.accelerator.backward(part)
                                 total += part.detach().float()
                             loss = float(total)
@@ -360,7 +354,7 @@ class TrainRun:
         decide to stop early; across processes that decision is broadcast to every rank."""
         p = self.progress
         if self.is_main and self.val_rows is not None:
-            res = evaluate_loss(self.core, self.val_rows, self.task, self.pad_id, 2 * p.micro_batch_size, self.device,
+            res = self.task.validate(self.core, self.val_rows, self.pad_id, 2 * p.micro_batch_size, self.device,
                                 getattr(self.cfg.select_best, "metric", None), self.tokenizer)
             rec = {"kind": "validation", "step": p.step, "epoch": p.epoch + 1, **res}
             p.history.append(rec)

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-IGNORE_INDEX = -100  # the label of positions without loss (the tokenize stage writes it; PyTorch's default)
 
 MEGA_CHUNK = 50  # effective batches per sorted chunk (HF's megabatch_mult)
 
@@ -79,9 +77,15 @@ class Batch:
         return self.input_ids.shape[0]
 
 
-def collate(rows: list[dict], pad_id: int, task: str) -> Batch:
-    """Pad a micro-batch to its longest row (right padding). Labels: class ids for seq_cls, else token
-    ids padded with -100 (ignored by the loss)."""
+class LabelsOf(Protocol):
+    """What collating needs of a task (stages/common/tasks.py): its labels as a tensor."""
+
+    def label_tensor(self, rows: list[dict]) -> torch.Tensor: ...
+
+
+def collate(rows: list[dict], pad_id: int, task: LabelsOf) -> Batch:
+    """Pad a micro-batch to its longest row (right padding); the task makes its labels (class ids, or token
+    ids padded with IGNORE_INDEX)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -89,15 +93,8 @@ def collate(rows: list[dict], pad_id: int, task: str) -> Batch:
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         mask[i, :n] = 1
-    if task == "seq_cls":
-        labels = torch.as_tensor([int(r["labels"]) for r in rows], dtype=torch.long)
-    else:
-        lw = max(len(r["labels"]) for r in rows)
-        labels = torch.full((len(rows), lw), IGNORE_INDEX, dtype=torch.long)
-        for i, r in enumerate(rows):
-            labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"], dtype=torch.long)
     real = int(mask.sum())
-    return Batch(ids, mask, labels, real, ids.numel())
+    return Batch(ids, mask, task.label_tensor(rows), real, ids.numel())
 
 
 def padding_share(batches: list[list[int]], lengths: Sequence[int], micro_batch: int) -> float:
@@ -131,5 +128,14 @@ class Rows:
         cols = self.ds[idx]
         return [{"input_ids": cols["input_ids"][j], "labels": cols["labels"][j]} for j in range(len(idx))]
 
-    def batches(self, idx: list[int], micro: int, pad_id: int, task: str) -> list[Batch]:
+    def batches(self, idx: list[int], micro: int, pad_id: int, task: LabelsOf) -> list[Batch]:
         return [collate(self.get(mb), pad_id, task) for mb in split_micro(idx, self.lengths, micro)]
+
+
+def validation_rows(val_ds: Any, max_examples: int | None) -> Rows | None:
+    """The validation split's rows (its first `max_examples`), None when there are none."""
+    if val_ds is None or not len(val_ds):
+        return None
+    if max_examples is not None and max_examples < len(val_ds):
+        val_ds = val_ds[:max_examples] if isinstance(val_ds, list) else val_ds.select(range(max_examples))
+    return Rows(val_ds)

@@ -235,7 +235,7 @@ def share_folder(folder: Path | None, dest: Path, device: Any) -> Path | None:
     return target
 
 
-def shard_window(model: Any, rows: Any, idx: list[int], micro_batch_size: int, pad_id: int, task: str,
+def shard_window(model: Any, rows: Any, idx: list[int], micro_batch_size: int, pad_id: int, task: Any,
                  accelerator: Any) -> tuple[float, int, int]:
     """The train step's window in one of N processes (stages/train.py's step, world > 1): this process's
     share of one *global* effective batch (batching.shard deals its rows out), forward and backward. Each
@@ -247,12 +247,11 @@ def shard_window(model: Any, rows: Any, idx: list[int], micro_batch_size: int, p
     import torch
 
     from stages.common.batching import shard
-    from stages.common.losses import loss_units, summed_loss
 
     world, device = accelerator.num_processes, accelerator.device
     mine = shard(idx, rows.lengths, accelerator.process_index, world)
     micro = [mb.to(device) for mb in rows.batches(mine, micro_batch_size, pad_id, task)] if mine else []
-    units = torch.tensor([sum(loss_units(mb, task) for mb in micro)], dtype=torch.long, device=device)
+    units = torch.tensor([sum(task.loss_units(mb) for mb in micro)], dtype=torch.long, device=device)
     denominator = max(int(accelerator.reduce(units, reduction="sum").item()), 1)
     # a short last batch with fewer rows than processes leaves this one none: a zero-weight pass over one
     # row keeps DDP's all-reduce in step
@@ -262,7 +261,7 @@ def shard_window(model: Any, rows: Any, idx: list[int], micro_batch_size: int, p
     for k, mb in enumerate(passes):
         # gradients are all-reduced once, on the last micro-batch
         with accelerator.no_sync(model) if k < len(passes) - 1 else contextlib.nullcontext():
-            loss = summed_loss(model, mb, task) / denominator
+            loss = task.summed_loss(model, mb) / denominator
             accelerator.backward(loss * scale)
         total += loss.detach().float()
     stats = torch.tensor([float(total) if micro else 0.0, sum(mb.real_tokens for mb in micro),

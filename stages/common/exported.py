@@ -6,7 +6,6 @@ probabilities for a classifier, generated text for seq2seq / causal_lm."""
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -14,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.device import Precision, autocast, resolve_precision
-from stages.common.hf import special_affixes
-from stages.common.inference import class_logits, device_for, generate
-from stages.common.model_loading import AUTO_CLASSES, quiet_transformers
+from stages.common.inference import device_for
+from stages.common.model_loading import quiet_transformers
+from stages.common.tasks import Task, task_of
 from stages.engine.errors import ConfigError
 
 PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model
@@ -28,7 +27,7 @@ class Exported:
     folder: Path
     model: Any
     tok: Any
-    task: str
+    task: Task
     prefix: str
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
@@ -50,8 +49,8 @@ def load_export(folder: Path | str) -> Exported:
                           f"adapter_config.json); give a pipeline name or the export stage's folder")
     quiet_transformers()
     settings = json.loads((folder / PIPELINE_JSON).read_text())
-    task = settings["model"]["task"]
-    name = AUTO_CLASSES[task]
+    task = task_of(settings["model"]["task"])
+    name = task.auto_class
     if (folder / "adapter_config.json").is_file():
         import peft
 
@@ -60,7 +59,7 @@ def load_export(folder: Path | str) -> Exported:
         model = getattr(transformers, name).from_pretrained(str(folder))
     model.eval()
     generation: dict[str, Any] = {}
-    if task != "seq_cls":
+    if task.generates:
         gen = transformers.GenerationConfig.from_pretrained(str(folder))
         generation = {"generation_config": gen}
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -72,10 +71,7 @@ def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
     """The tokenize stage's input ids: prefix + text, truncated keeping the closing specials; a causal prompt
     without them (evaluate's prompt_of)."""
     ids = ex.tok([ex.prefix + t for t in texts], truncation=True, max_length=ex.max_length)["input_ids"]
-    if ex.task == "causal_lm":
-        _, tail = special_affixes(ex.tok)
-        ids = [x[:len(x) - len(tail)] if tail else x for x in ids]
-    return ids
+    return ex.task.prompt_ids(ex.tok, ids)
 
 
 def export_precision(ex: Exported, device: Any) -> Precision:
@@ -98,22 +94,4 @@ def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dic
     chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
     log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
     with autocast(chosen, device):
-        return _predict(ex, ids, batch_size, overrides, device)
-
-
-def _predict(ex: Exported, ids: list[list[int]], batch_size: int, overrides: dict[str, Any] | None,
-             device: Any) -> list[dict[str, Any]]:
-    if ex.task == "seq_cls":
-        probs = class_logits(ex.model, ids, ex.tok.pad_token_id, batch_size, device, "predict", log).softmax(-1)
-        names = [ex.model.config.id2label[i] for i in range(probs.shape[-1])]
-        out = []
-        for p in probs.tolist():
-            best = max(range(len(p)), key=p.__getitem__)
-            out.append({"label": names[best], "probability": round(p[best], 6),
-                        "probabilities": {n: round(v, 6) for n, v in zip(names, p, strict=True)}})
-        return out
-    gen = copy.deepcopy(ex.generation["generation_config"])
-    gen.update(**(overrides or {}))
-    texts_out, counts = generate(ex.model, ids, ex.tok, {"generation_config": gen, "eos_token_id": gen.eos_token_id},
-                                 batch_size, device, ex.task == "causal_lm", "predict", log)
-    return [{"generated": t, "generated_tokens": n} for t, n in zip(texts_out, counts, strict=True)]
+        return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)

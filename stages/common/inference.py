@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from stages.common.batching import IGNORE_INDEX, split_micro
+from stages.common.batching import split_micro
 from stages.common.hf import special_affixes
 from stages.common.progress import iterate
+from stages.common.tokens import IGNORE_INDEX
 
 log = logging.getLogger("finetune.inference")
 

@@ -24,7 +24,6 @@ from stages.engine.parallel import n_jobs
 
 MODULES_DIR = Path(__file__).resolve().parent / "metric_modules"
 SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts"}  # what each scores: class ids or texts
-DEFAULTS = {"seq_cls": ("accuracy", "f1"), "seq2seq": ("rouge",), "causal_lm": ("rouge",)}
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 # the module that computes each validation metric during training (schema.VALIDATION_METRICS; loss and
 # accuracy are counted by the validation pass itself)
@@ -32,16 +31,16 @@ VALIDATION_MODULES = {"macro_f1": "f1", **{r: "rouge" for r in ROUGE_TYPES}}
 PARALLEL_MIN_PAIRS = 500  # fewer ROUGE pairs are scored in this process (starting workers costs ~1 s)
 
 
-def metric_names(configured: Sequence[str] | None, task: str) -> list[str]:
-    """`evaluate.metrics`, or the task's default; a shipped module that cannot score this task's
-    predictions is a ConfigError (class ids for seq_cls, texts for generation)."""
-    names = list(configured) if configured else list(DEFAULTS[task])
-    want = "labels" if task == "seq_cls" else "texts"
+def metric_names(configured: Sequence[str] | None, task: Any) -> list[str]:
+    """`evaluate.metrics`, or the task's default (`task`: its Task, stages/common/tasks.py); a shipped module
+    that cannot score this task's predictions is a ConfigError (class ids for seq_cls, texts for generation)."""
+    names = list(configured) if configured else list(task.default_metrics)
+    want = task.predicts
     for name in names:
         kind = SHIPPED.get(name)
         if kind is not None and kind != want:
             fits = [n for n, k in SHIPPED.items() if k == want]
-            raise ConfigError(f"evaluate.metrics {name}: scores {kind}, but model.task {task} predicts {want}; "
+            raise ConfigError(f"evaluate.metrics {name}: scores {kind}, but model.task {task.name} predicts {want}; "
                               f"use {', '.join(fits)} (or a module that scores {want})")
     return names
 
@@ -116,7 +115,7 @@ def confusion_matrix(predictions: Sequence[int], references: Sequence[int], num_
 
 
 def classification_metrics(predictions: Sequence[int], references: Sequence[int], num_labels: int,
-                           names: Sequence[str] = DEFAULTS["seq_cls"]) -> dict[str, Any]:
+                           names: Sequence[str] = ("accuracy", "f1")) -> dict[str, Any]:
     """examples, the modules' scores (default accuracy and macro_f1), the confusion matrix."""
     return {"examples": len(references), **compute(names, predictions, references),
             "confusion_matrix": confusion_matrix(predictions, references, num_labels)}
@@ -127,7 +126,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str], *, jobs: int | 
     return compute(["rouge"], predictions, references, jobs=jobs)
 
 
-def metric_files(cfg: Any) -> list[Path]:
-    """The evaluate stage's input files: the `evaluate` modules it loads by path (a wrong metric fails here,
-    at plan)."""
-    return module_files(metric_names(cfg.evaluate.metrics, cfg.model.task))
+def metric_files(cfg: Any, task: Any) -> list[Path]:
+    """The evaluate stage's input files: the `evaluate` modules it loads by path for `task` (a wrong metric
+    fails here, at plan)."""
+    return module_files(metric_names(cfg.evaluate.metrics, task))

@@ -26,6 +26,7 @@ from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
 from stages.common.precision import auto_compute_dtype
 from stages.common.quiet import filter_known_warnings
+from stages.common.tasks import task_of
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import ModelConfig, QuantizationConfig
 
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
     HFModel: TypeAlias = PreTrainedModel
 
 
-AUTO_CLASSES = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
-                "causal_lm": "AutoModelForCausalLM"}
 HEAD_MODULES = ("score", "classifier", "lm_head")  # never quantized
 LOAD_INFO = "finetune.json"
 ADAPTERS_INFO = "adapters.json"  # written by the adapters stage: {"method": ...}
@@ -50,9 +49,10 @@ filter_known_warnings()  # in every process that builds or loads models: only kn
 
 
 def auto_class(task: str) -> Any:
+    """The transformers Auto class of the task `model.task` names."""
     import transformers
 
-    return getattr(transformers, AUTO_CLASSES[task])
+    return getattr(transformers, task_of(task).auto_class)
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -92,8 +92,7 @@ def hf_config(m: ModelConfig) -> Any:
         else:
             config = AutoConfig.from_pretrained(source, revision=m.revision if local is None else None,
                                                 trust_remote_code=m.trust_remote_code, **kwargs)
-    if m.task == "seq_cls":
-        config.num_labels = m.num_labels or 2
+    task_of(m.task).configure(config, m)  # a classifier's head size
     return config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from stages.common import memory
 from stages.common.model_loading import compute_dtype, hf_config, meta_and_plan
+from stages.common.tasks import task_of
 from stages.engine.schema import PipelineConfig
 from stages.engine.units import human_bytes
 
@@ -20,7 +21,7 @@ def estimate_pipeline(cfg: PipelineConfig) -> memory.Estimate:
     compute = compute_dtype(cfg.quantization.compute_dtype)
     t = cfg.tokenize
     est.activations = memory.activation_bytes(config, cfg.train.micro_batch_size, t.max_length,
-                                       t.max_target_length if cfg.model.task == "seq2seq" else None,
+                                       t.max_target_length if task_of(cfg.model.task).encoder_decoder else None,
                                        memory.DTYPE_BYTES[compute], cfg.train.gradient_checkpointing)
     return est
 
