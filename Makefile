@@ -21,7 +21,7 @@ install: $(STAMP)
 # A fully cached demo is reused without starting Prefect's temporary server (flows/summary.py --if-cached,
 # exit 3 = something to compute); otherwise the Prefect flow runs. Either way the summary ends it.
 # One torch thread unless set: on 2 cores shared with other jobs, two OpenMP threads per process waited on
-# each other (33-250 real tokens/s measured) where one thread trained MiniLM at 932 tokens/s (README, Results).
+# each other (33-250 real tokens/s measured) where one thread trained MiniLM at 932 tokens/s (docs/results.md#the-demo-make-demo).
 DEMO ?= demo
 demo: install
 	@export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \

@@ -1,6 +1,7 @@
 """The train stage on the `imdb-90` recipe (all-MiniLM-L6-v2 + LoRA, reviews x 512 tokens, micro-batch 1 x
 accumulation 16) in fp32 and in bf16 autocast, interleaved, a few optimizer steps each, and what that makes
-of the sweep's measured wall time (README: 62 min 56 s in fp32, 3,632 s of it training, 98 s test evaluation).
+of the sweep's measured wall time (docs/results.md#beyond-the-article-on-2-cpu-cores-the-imdb-90-sweep: 62 min
+56 s in fp32, 3,632 s of it training, 98 s test evaluation).
 
 Each round trains a fresh copy of the adapters stage's model for `--steps` optimizer steps in each precision
 (the same rows, the same seed); the steady rate is over steps 2..N (step 1 warms up), in wall time and in the
@@ -44,7 +45,7 @@ from stages.train import TrainRun, train_model  # noqa: E402
 # the imdb-90 sweep's settings (pipeline.yaml `sweeps: imdb-90`), on a small train subset: only a few steps run
 IMDB90 = ["tokenize.max_length=512", "train.micro_batch_size=1", "train.gradient_accumulation_steps=16",
           "train.eval_every=null", "train.select_best=null"]
-MEASURED = {"wall_s": 62 * 60 + 56, "train_s": 3632, "evaluate_s": 98}  # README, the 8,192-review variant, fp32
+MEASURED = {"wall_s": 62 * 60 + 56, "train_s": 3632, "evaluate_s": 98}  # docs/results.md#in-bf16-inside-the-hour, the 8,192-review variant, fp32
 
 
 @contextlib.contextmanager

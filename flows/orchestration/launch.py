@@ -53,7 +53,7 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
 
 def sweep_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run a sweep of pipeline variants through the "
-                                "content-addressed store; shared stages are computed once.")
+                                "store, keyed by each stage's inputs; shared stages are computed once.")
     p.add_argument("target", metavar="NAME|PIPELINE", help="a sweep of pipeline.yaml (sweeps:), or with --grid "
                    "a pipeline to sweep ad hoc")
     add_sweep_args(p)

@@ -8,7 +8,7 @@ the artifacts are.
         the summary, exit 0; otherwise exit 3 and write nothing, so the caller runs the Prefect flow.
 
 Why --if-cached: the Prefect flow starts a temporary Prefect server on every run (~10 s with an
-existing PREFECT_HOME, 24-30 s on a fresh one, on 2 CPU cores: the README's demo table), which alone would
+existing PREFECT_HOME, 24-30 s on a fresh one, on 2 CPU cores: docs/results.md#the-demo-make-demo), which alone would
 make a fully cached `make demo` take 4-10x longer. A cached run
 changes nothing, so it does not need the orchestrator; a run with anything to compute goes through
 the flow as usual.

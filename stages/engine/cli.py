@@ -21,7 +21,7 @@ from stages.engine.store import Outcome
 
 def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run a named pipeline of pipeline.yaml through the "
-                                "content-addressed store; stages whose inputs did not change are reused.")
+                                "store, keyed by each stage's inputs; stages whose inputs did not change are reused.")
     if default_pipeline:
         p.add_argument("pipeline", nargs="?", default=default_pipeline, help=f"default: {default_pipeline}")
     else:

@@ -1,5 +1,5 @@
 """Byte counts for people: the one formatter of sizes in messages, logs and tables (footprints, free
-memory, artifact sizes). Decimal units with three significant digits, like the figures in README.md and the
+memory, artifact sizes). Decimal units with three significant digits, like the figures in docs/results.md and the
 articles (11.4 GB -> 4.29 GB)."""
 
 from __future__ import annotations

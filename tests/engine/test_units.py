@@ -1,4 +1,4 @@
-"""The one byte formatter: decimal units, three significant digits (the README's and the articles' figures)."""
+"""The one byte formatter: decimal units, three significant digits (docs/results.md's and the articles' figures)."""
 
 from __future__ import annotations
 
