@@ -10,17 +10,19 @@ import pytest
 import torch
 from helpers import SHARED_DATA, needs_shared_data
 
-from stages.common.batching import IGNORE_INDEX, collate, epoch_batches, padding_share, split_micro
+from stages.common.batching import collate, epoch_batches, padding_share, split_micro
+from stages.common.tasks import TASKS
+from stages.common.tokens import IGNORE_INDEX
 
 
 def test_collate_pads_to_the_longest_row_only():
     b = collate([{"input_ids": [5, 6, 7], "labels": [5, 6]}, {"input_ids": [8], "labels": [9, 9, 9]}],
-                pad_id=0, task="seq2seq")
+                pad_id=0, task=TASKS["seq2seq"])
     assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b.labels.tolist() == [[5, 6, IGNORE_INDEX], [9, 9, 9]]
     assert (b.real_tokens, b.padded_tokens) == (4, 6)
-    c = collate([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": 0}], pad_id=0, task="seq_cls")
+    c = collate([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": 0}], pad_id=0, task=TASKS["seq_cls"])
     assert c.labels.dtype == torch.long and c.labels.tolist() == [1, 0]
 
 

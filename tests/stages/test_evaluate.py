@@ -12,6 +12,7 @@ from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
 
 from stages.common import metrics
 from stages.common.arrow import read_split
+from stages.common.tasks import Classification
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
 
@@ -112,16 +113,14 @@ def test_classifier_pipeline_runs_end_to_end(store, capfd, monkeypatch):
 def test_evaluate_runs_its_forward_passes_in_the_precision_training_used(store, monkeypatch):
     import torch
 
-    import stages.evaluate as evaluate_stage
-
     seen = []
-    real_classify = evaluate_stage.classify
+    real_evaluate = Classification.evaluate
 
-    def classify(*a, **kw):
+    def evaluate(*a, **kw):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return real_classify(*a, **kw)
+        return real_evaluate(*a, **kw)
 
-    monkeypatch.setattr(evaluate_stage, "classify", classify)
+    monkeypatch.setattr(Classification, "evaluate", evaluate)
     out = helpers.run("tiny-imdb", *IMDB, "train.mixed_precision=bf16", until="evaluate")
     assert out["train"].manifest["metrics"]["precision"] == "bf16"
     ev = out["evaluate"].manifest["metrics"]

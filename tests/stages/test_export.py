@@ -15,6 +15,7 @@ from helpers import BILLSUM, IMDB, needs_shared_data, plan
 from stages.common.batching import collate
 from stages.common.compat.bitsandbytes import exact_cpu_kernels
 from stages.common.model_loading import load_model
+from stages.common.tasks import TASKS
 from stages.engine.config import load_pipeline
 from stages.evaluate import load_evaluated
 
@@ -32,7 +33,7 @@ def evaluated_and_batch(out: dict, task: str):
     import datasets
 
     ds = datasets.load_from_disk(str(out["tokenize"].path / "dataset"))["test"]
-    b = collate([ds[i] for i in range(4)], 0, task)
+    b = collate([ds[i] for i in range(4)], 0, TASKS[task])
     model = load_evaluated(out["model"].path, out["adapters"].path, out["train"].path)
     return model, b
 

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from stages.common.batching import IGNORE_INDEX
 from stages.common.hf import special_affixes
 from stages.common.hub import resolve_local
-from stages.tokenize import encode, length_stats, prompt_then_target
+from stages.common.tokens import IGNORE_INDEX, encode, prompt_then_target
+from stages.tokenize import length_stats
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier,
 from stages.common.batching import collate
 from stages.common.checkpoint import checkpoints
 from stages.common.health import Watchdog
-from stages.common.losses import loss_units, summed_loss
 from stages.common.optim import OPTIMIZERS, lr_factor
+from stages.common.tasks import TASKS
 from stages.engine.schema import TrainConfig
 from stages.train import train_model
 
@@ -55,8 +55,8 @@ def test_k_by_1_and_1_by_k_give_the_same_gradients(make_model, rows, task, tmp_p
     assert d1 < 1e-5 and d2 < 1e-5
     # and they are the gradients of the loss averaged over the window's rows / target tokens
     ref = make_model()
-    batch = collate(rows, PAD, task)
-    (summed_loss(ref, batch, task) / loss_units(batch, task)).backward()
+    batch = collate(rows, PAD, TASKS[task])
+    (TASKS[task].summed_loss(ref, batch) / TASKS[task].loss_units(batch)).backward()
     assert max_diff(big, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}) < 1e-5
 
 
@@ -157,11 +157,9 @@ def test_lr_schedules():
 
 
 def test_causal_lm_loss_counts_target_tokens_only():
-    from stages.common.losses import loss_units
-
     b = collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}],
-                PAD, "causal_lm")
-    assert loss_units(b, "causal_lm") == 3
+                PAD, TASKS["causal_lm"])
+    assert TASKS["causal_lm"].loss_units(b) == 3
 
 
 @needs_shared_data

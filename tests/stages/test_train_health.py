@@ -23,6 +23,7 @@ from stages.common.checkpoint import TrainingProgress, checkpoints, latest_check
 from stages.common.health import Watchdog
 from stages.common.interrupt import DeferredStop
 from stages.common.runlog import read_metrics
+from stages.common.tasks import Classification
 from stages.engine.errors import DivergenceError, FinetuneError
 from stages.train import train_model
 
@@ -50,7 +51,7 @@ def train_metrics(work: Path) -> list[dict]:
 def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store_dir, monkeypatch):
     nan_at = 5  # optimizer step whose loss (and so its gradients) turn NaN
     seen = {"step": 0}
-    real_start, real_loss = DeferredStop.step_starts, train_stage.summed_loss
+    real_start, real_loss = DeferredStop.step_starts, Classification.summed_loss
 
     def step_starts(self):  # once per optimizer step in one process
         seen["step"] += 1
@@ -61,7 +62,7 @@ def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store
         return out * float("nan") if seen["step"] == nan_at else out
 
     monkeypatch.setattr(DeferredStop, "step_starts", step_starts)
-    monkeypatch.setattr(train_stage, "summed_loss", loss)
+    monkeypatch.setattr(Classification, "summed_loss", loss)
     sets = ("data.subset={train: 48, validation: 8, test: 8}", "train.max_steps=8", "train.checkpoint_every=2")
     with pytest.raises(DivergenceError) as err:
         run("tiny-imdb", *sets, until="train")
