@@ -9,11 +9,20 @@ import typing
 import pytest
 import torch
 from helpers import needs_shared_data, run
-from tiny_train import PAD, cls_rows, max_diff, s2s_rows, tcfg, tiny_classifier, tiny_t5, trainable
+from tiny_train import (
+    PAD,
+    cls_rows,
+    max_diff,
+    s2s_rows,
+    tcfg,
+    tiny_classifier,
+    tiny_t5,
+    trainable,
+    window_grads,
+)
 
 from stages.common.batching import collate
 from stages.common.checkpoint import checkpoints
-from stages.common.health import Watchdog
 from stages.common.optim import OPTIMIZERS, lr_factor
 from stages.common.tasks import TASKS
 from stages.engine.schema import TrainConfig
@@ -22,21 +31,6 @@ from stages.train import train_model
 log = logging.getLogger("test.train")
 
 
-def window_grads(make_model, rows, micro: int, task: str, tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
-    """The gradients the train loop's first step holds when its health check runs (after the window, before
-    the optimizer step; no clipping): all `rows` in one effective batch of micro-batches of `micro` rows."""
-    model, seen = make_model(), {}
-    real_check = Watchdog.check
-
-    def check(self, progress, loss, norm):
-        seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        return real_check(self, progress, loss, norm)
-
-    monkeypatch.setattr(Watchdog, "check", check)
-    accum = -(-len(rows) // micro)  # every row in the one step: micro x accum >= len(rows)
-    train_model(model, rows, None, tcfg(micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
-                task, PAD, tmp_path / f"out{micro}", tmp_path / f"work{micro}", log)
-    return seen
 
 
 @pytest.mark.parametrize("make_model,rows,task", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -67,3 +68,23 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def window_grads(make_model, rows, micro: int, task: str, tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
+    """The gradients the train loop's first step holds when its health check runs (after the window, before
+    the optimizer step; no clipping): all `rows` in one effective batch of micro-batches of `micro` rows."""
+    from stages.common.health import Watchdog
+    from stages.train import train_model
+
+    model, seen = make_model(), {}
+    real_check = Watchdog.check
+
+    def check(self, progress, loss, norm):
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return real_check(self, progress, loss, norm)
+
+    monkeypatch.setattr(Watchdog, "check", check)
+    accum = -(-len(rows) // micro)  # every row in the one step: micro x accum >= len(rows)
+    train_model(model, rows, None, tcfg(micro_batch_size=micro, gradient_accumulation_steps=accum, max_steps=1),
+                task, PAD, tmp_path / f"out{micro}", tmp_path / f"work{micro}", logging.getLogger("test.train"))
+    return seen
