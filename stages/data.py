@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, label_column, read_table
-from stages.common.tasks import task_of
+from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
 from stages.engine.schema import DataConfig, PipelineConfig
@@ -243,7 +243,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
     """seq_cls: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
     labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
     they use. A count that contradicts the names is a ConfigError naming both."""
-    if not task_of(cfg.model.task).classifies:
+    if not data_of(cfg.model.task).classifies:
         return cfg
     names, n = cfg.data.label_names, cfg.model.num_labels
     if names is None:
@@ -276,14 +276,14 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     """Keep id/text/label/target with stable ids; check columns and labels."""
     import pandas as pd
 
-    d, task = cfg.data, task_of(cfg.model.task)
-    target_col = d.target_column or task.default_target(DEFAULT_TARGET.get(d.source))
+    d, task = cfg.data, data_of(cfg.model.task)
+    target_col = task.target_column(d, DEFAULT_TARGET.get(d.source))
     out = {}
     for split, df in frames.items():
-        need = {"data.text_column": d.text_column, **task.required_columns(d, target_col)}
+        need = task.required_columns(d, target_col)
         for key, col in need.items():
             if col is None:
-                raise DataError(f"{key} is not set but task {task.name} needs it; set it in pipeline.yaml")
+                raise DataError(f"{key} is not set but task {cfg.model.task} needs it; set it in pipeline.yaml")
             if col not in df.columns:
                 raise MissingInputError(f"{split} split has no column '{col}' (columns: {', '.join(map(str, df.columns))}); "
                                         f"set {key} to one of them")
@@ -379,7 +379,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if "label" in df:
             stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
                                                      df["label"].value_counts().sort_index().items()}
-    if task_of(cfg.model.task).classifies and cfg.data.label_names:
+    if data_of(cfg.model.task).classifies and cfg.data.label_names:
         stats["label_names"] = list(cfg.data.label_names)
     ctx.log.info("data: %s rows from %s", stats["rows"], origin)
     return stats

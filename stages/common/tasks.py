@@ -17,14 +17,20 @@ divides by the units (rows, or target tokens) of the whole accumulation window, 
 The registry is read at plan time (the data stage's column checks, the evaluate stage's metric modules), which
 imports no tensor library: torch and the helpers built on it are imported in the methods that compute.
 
-Adding a task is one subclass here, registered in TASKS, plus its name among `model.task`'s choices in
-stages/engine/schema.py (with the validation metrics it computes): tests/common/test_tasks.py adds one.
+What the data stage needs of a task (its columns) is a TaskData in TASK_DATA, apart from the classes: the
+code fingerprint (stages/engine/codegraph.py) follows a class whole, so a change to how a task tokenizes,
+trains or evaluates reruns the tokenize stage onwards but not the data stage.
+
+Adding a task is one subclass here, registered in TASKS, its TaskData in TASK_DATA, plus its name among
+`model.task`'s choices in stages/engine/schema.py (with the validation metrics it computes):
+tests/common/test_tasks.py adds one.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from stages.common import metrics
@@ -38,6 +44,43 @@ if TYPE_CHECKING:
     from stages.common.batching import Batch, Rows
 
 
+@dataclass(frozen=True)
+class TaskData:
+    """The columns a task needs of its data (read by the data stage at plan time and when it computes)."""
+
+    classifies: bool = False  # a label column in every split; classes, label names, num_labels
+    needs_target: bool = False  # a target column in every split
+    source_target: bool = True  # when data.target_column is null, the source's default (billsum: summary)
+
+    def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
+        """{setting: column} the data stage needs in every split (a None column: the setting is missing)."""
+        need: dict[str, str | None] = {"data.text_column": d.text_column}
+        if self.classifies:
+            need["data.label_column"] = d.label_column
+        if self.needs_target:
+            need["data.target_column"] = target_column
+        return need
+
+    def target_column(self, d: Any, source_default: str | None) -> str | None:
+        """The target column: data.target_column, else the source's when this task takes one."""
+        return d.target_column or (source_default if self.source_target else None)
+
+
+TASK_DATA: dict[str, TaskData] = {
+    "seq_cls": TaskData(classifies=True, source_target=False),
+    "seq2seq": TaskData(needs_target=True),
+    "causal_lm": TaskData(),  # a target when there is one (prompt -> completion), else language modelling
+}
+
+
+def data_of(name: str) -> TaskData:
+    """The columns `model.task` needs."""
+    data = TASK_DATA.get(name)
+    if data is None:
+        raise ConfigError(f"model.task: {name!r} is not one of {', '.join(TASK_DATA)}; set model.task to one of them")
+    return data
+
+
 class Task:
     """What every task has; the subclasses below fill it in."""
 
@@ -48,7 +91,6 @@ class Task:
     predicts: ClassVar[str]  # "labels" (class ids) or "texts": what the evaluate modules score
     default_metrics: ClassVar[tuple[str, ...]]  # `evaluate.metrics` when the pipeline leaves it null
     examples: ClassVar[list[str]]  # the texts the card's usage snippet runs on
-    classifies: ClassVar[bool] = False  # a classification head: classes, label names, num_labels
     generates: ClassVar[bool] = True  # predicts by generation (a generation_config.json ships)
     decoder_only: ClassVar[bool] = False  # prompts padded on the left; the prompt comes back before the answer
     encoder_decoder: ClassVar[bool] = False  # targets run through a decoder of their own length
@@ -61,15 +103,12 @@ class Task:
     def validation_metrics(self) -> tuple[str, ...]:
         return VALIDATION_METRICS[self.name]
 
-    # ---------------------------------------------------------------- data and model
-    def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
-        """{setting: column} the data stage needs in every split (a None column: the setting is missing)."""
-        return {}
+    @property
+    def classifies(self) -> bool:
+        """A classification head: classes, label names, num_labels (TaskData.classifies)."""
+        return data_of(self.name).classifies
 
-    def default_target(self, source_default: str | None) -> str | None:
-        """The target column when data.target_column is null: the source's (billsum: summary)."""
-        return source_default
-
+    # ---------------------------------------------------------------- model
     def configure(self, config: Any, m: Any) -> None:
         """Set what this task needs on the transformers config before the model is built."""
 
@@ -175,13 +214,7 @@ class Classification(Task):
     predicts = "labels"
     default_metrics = ("accuracy", "f1")
     examples = ["A wonderful, moving film with a great cast.", "Dull, predictable and far too long."]
-    classifies, generates = True, False
-
-    def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
-        return {"data.label_column": d.label_column}
-
-    def default_target(self, source_default: str | None) -> str | None:
-        return None
+    generates = False
 
     def configure(self, config: Any, m: Any) -> None:
         config.num_labels = m.num_labels or 2
@@ -360,9 +393,6 @@ class Seq2Seq(Generation):
     examples = ["This bill amends the Internal Revenue Code to extend the tax credit for small businesses that "
                 "hire veterans through 2030."]
     encoder_decoder = True
-
-    def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
-        return {"data.target_column": target_column}
 
     def with_targets(self, tok: Any, ids: list[list[int]], bare: list[list[int]], target_ids: list[list[int]],
                      t: TokenizeConfig) -> tuple[list[list[int]], list[list[int]]]:

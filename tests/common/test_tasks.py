@@ -13,7 +13,7 @@ import torch
 from helpers import ROOT
 
 from stages.common.batching import collate
-from stages.common.tasks import TASKS, Classification, Task, task_of
+from stages.common.tasks import TASK_DATA, TASKS, Classification, Task, TaskData, task_of
 from stages.engine.errors import ConfigError
 from stages.engine.schema import VALIDATION_METRICS, ModelConfig
 
@@ -34,7 +34,7 @@ def test_the_registry_holds_exactly_the_tasks_the_schema_accepts_and_each_names_
     import transformers
 
     choices = typing.get_args(ModelConfig.model_fields["task"].annotation)
-    assert set(TASKS) == set(choices) == set(VALIDATION_METRICS)
+    assert set(TASKS) == set(choices) == set(VALIDATION_METRICS) == set(TASK_DATA)
     for name, task in TASKS.items():
         assert task.name == name and task.predicts in ("labels", "texts")
         assert hasattr(transformers, task.auto_class) and hasattr(peft, task.auto_peft_class)
@@ -97,6 +97,7 @@ def tiny_regressor(seed: int = 0) -> torch.nn.Module:
 def regression(monkeypatch) -> Task:
     task = Regression()
     monkeypatch.setitem(TASKS, task.name, task)
+    monkeypatch.setitem(TASK_DATA, task.name, TaskData(classifies=True, source_target=False))
     return task
 
 

@@ -314,7 +314,7 @@ def test_editing_code_no_stage_reaches_changes_no_key():
         for stmt in ast.parse(SOURCES[module]).body:
             if isinstance(stmt, ast.FunctionDef | ast.ClassDef) and f"{module}.{stmt.name}" not in reachable:
                 outside.setdefault(module, []).append(stmt.name)
-    assert "main" in outside["flows.inspect"] and "gc" in outside["stages.engine.status"]
+    assert "main" in outside["flows.reports.inspect_cli"] and "gc" in outside["stages.engine.status"]
     changed = []
     for module, names in outside.items():  # every unreachable function of a module edited at once
         source = SOURCES[module]

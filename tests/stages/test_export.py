@@ -62,8 +62,8 @@ def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipe
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    with caplog.at_level("INFO", logger="finetune"):
-        out = helpers.run(pipeline, *sets, "export.merge=true")
+    with caplog.at_level("INFO", logger="finetune"):  # train forced: its log line is this run's (the store is shared)
+        out = helpers.run(pipeline, *sets, "export.merge=true", force=("train",))
     ex = out["export"].path
     # one parameter count (a packed 4-bit weight counted as the weights it holds): the adapters stage's is
     # the train log's, train's metrics' and the model card's

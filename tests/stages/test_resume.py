@@ -80,7 +80,7 @@ def test_kill_9_at_a_random_step_then_rerun_resumes_and_matches(trial, reference
     # a random step that is not a checkpoint step, so the rerun must redo steps the killed run had done
     kill_at = random.Random(1000 + trial).choice([s for s in range(2, STEPS - 2) if s % 3])
     work, out = tmp_path / "work", tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (ROOT, ROOT / "tests", HERE)))}  # pytest's pythonpath
     proc = subprocess.Popen([sys.executable, "-c", f"from test_resume import child; child({str(work)!r}, {str(out)!r})"],
                             cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
