@@ -307,11 +307,11 @@ def test_an_adhoc_sweep_is_compared_by_name_with_the_command_it_prints(config, s
                                                                                     default=str))
 
 
-def test_shared_names_the_stages_other_variants_have_not_a_variants_own_seeds():
+def test_shared_names_the_stages_other_variants_have_not_a_variants_own_seeds(tmp_path):
     """Variants that differ in adapters.r share data/tokenize/model; each variant's two seeds share its own
     adapters artifact, which is not shared with the other variant."""
     sw = adhoc_sweep("tiny-billsum", ["adapters.r=4,8"], ["train.max_steps=2"], seeds=[1, 2])
-    c = compare.compare(sw, Store(ROOT / "no-such-store"))
+    c = compare.compare(sw, Store(tmp_path / "empty-store"))
     for v in c.variants:
         assert all(r.shared == ["data", "tokenize", "model"] for r in v.runs), [r.shared for r in v.runs]
     assert {row["shared"] for row in compare.table_rows(c)} == {"data,tokenize,model"}
