@@ -14,10 +14,12 @@ The manifest records the names.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, label_column, read_table
 from stages.common.tasks import data_of
@@ -272,14 +274,65 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
+def row_place(path: Path | None, split: str, row: int) -> str:
+    """Where a row is, for an error: a local file's line (CSV: after its header), else the split's row."""
+    if path is None:
+        return f"{split} split, row {row}"
+    name = path.name.lower()
+    if name.endswith((".csv", ".csv.gz")):
+        return f"{path}: line {row + 2}"
+    return f"{path}: line {row + 1}" if name.endswith((".jsonl", ".jsonl.gz")) else f"{path}: row {row}"
+
+
+def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
+    """Each row's conversation (data.format messages or alpaca), checked (DataError naming file, row, field)."""
+    if d.format == "alpaca":
+        missing = [c for c in ("instruction", "output") if c not in df.columns]
+        if missing:
+            raise MissingInputError(f"{path or split + ' split'}: no column '{missing[0]}' (columns: "
+                                    f"{', '.join(map(str, df.columns))}); data.format alpaca reads instruction, "
+                                    f"input (optional) and output")
+        inputs = df["input"] if "input" in df.columns else [""] * len(df)
+        return [chats.alpaca(a, b, c, row_place(path, split, i))
+                for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
+    if d.messages_column not in df.columns:
+        raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
+                                f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "
+                                f"holding the conversations")
+    return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
+            for i, v in enumerate(df[d.messages_column])]
+
+
+def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: DataConfig, split: str,
+                      path: Path | None = None) -> None:
+    """A text column holding lists or dicts (a conversation, most likely) is refused, never stringified."""
+    for key, col in columns_.items():
+        if col is None or col not in df.columns or key == "data.label_column":
+            continue
+        hits = df[col].map(chats.looks_structured)
+        if hits.any():
+            row = int(hits.to_numpy().argmax())
+            raise DataError(f"{row_place(path, split, row)}, column '{col}': holds a "
+                            f"{type(df[col].iloc[row]).__name__}, not text; for a conversation set data.format: "
+                            f"messages and data.messages_column: {col} (causal_lm), else give {key} a text column")
+
+
 def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
-    """Keep id/text/label/target with stable ids; check columns and labels."""
+    """Keep id/text/label/target with stable ids; check columns and labels. Conversations (data.format
+    messages or alpaca) keep their turns in `messages`; text and target are their last exchange."""
     import pandas as pd
 
     d, task = cfg.data, data_of(cfg.model.task)
     target_col = task.target_column(d, DEFAULT_TARGET.get(d.source))
     out = {}
     for split, df in frames.items():
+        if d.format != "columns":
+            turns = conversations(df, d, split)
+            ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
+            last = [chats.last_exchange(t) for t in turns]
+            out[split] = pd.DataFrame({"id": ids.to_numpy(), "text": [a for a, _ in last],
+                                       "target": [b for _, b in last], "messages": turns})
+            continue
         need = task.required_columns(d, target_col)
         for key, col in need.items():
             if col is None:
@@ -287,6 +340,7 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
             if col not in df.columns:
                 raise MissingInputError(f"{split} split has no column '{col}' (columns: {', '.join(map(str, df.columns))}); "
                                         f"set {key} to one of them")
+        refuse_structured(df, need, d, split)
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
         cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
         if task.classifies:
@@ -339,6 +393,33 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
         if len(v) == 0:
             raise DataError(f"split '{k}' is empty; check the source files and data.split / data.subset")
     return {k: v.reset_index(drop=True) for k, v in out.items()}
+
+
+def check_rows(cfg: PipelineConfig) -> None:
+    """Before any stage runs: conversations need a task that renders them, and a local file's rows are
+    what data.format says (each conversation well formed; no list or dict where text is expected), refused
+    with one line naming the file, its line and the field."""
+    d = cfg.data
+    if d.format != "columns" and not data_of(cfg.model.task).chats:
+        raise ConfigError(f"data.format {d.format}: conversations are rendered with a chat template for "
+                          f"model.task causal_lm, not {cfg.model.task}; set model.task: causal_lm or "
+                          f"data.format: columns")
+    if not (d.source == "local" or d.path):
+        return
+    for f in _local_label_files(d) or []:
+        _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
+
+
+@functools.lru_cache(maxsize=32)
+def _check_file(path: str, size: int, mtime_ns: int, data_json: str, task: str) -> None:
+    """check_rows for one file version and data section (plans run often; a file is read once)."""
+    f, d = Path(path), DataConfig.model_validate_json(data_json)
+    df = read_table(f)
+    if d.format != "columns":
+        conversations(df, d, "train", f)
+        return
+    facts = data_of(task)
+    refuse_structured(df, facts.required_columns(d, facts.target_column(d, None)), d, "train", f)
 
 
 def makes_validation(cfg: PipelineConfig) -> bool | None:

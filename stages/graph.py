@@ -8,7 +8,7 @@ to the engine (stages/engine/runner.py executes it)."""
 from __future__ import annotations
 
 from stages import data
-from stages.common import distributed
+from stages.common import chat, distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
@@ -26,6 +26,7 @@ GRAPH = Graph([
         inputs=data.source_files,
         deps=data.source_deps,
         resolve=data.resolve_labels,  # data.label_names / model.num_labels from the data when left null
+        check=data.check_rows,  # conversations and text columns of local files, before any stage runs
         hub_fix="set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data, or --set data.source=local "
                 "--set data.path=FILE",
         libraries=("pandas", "pyarrow", "datasets"),
@@ -36,7 +37,7 @@ GRAPH = Graph([
         reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
                "model.trust_remote_code"),
         upstream=("data",),
-        inputs=tokenizer_files,
+        inputs=lambda cfg: tokenizer_files(cfg) + chat.template_files(cfg),  # a chat template file: its content
         deps=tokenizer_deps,
         hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
                 "hub answers",

@@ -1,21 +1,25 @@
 """Tokenize stage: the data stage's splits -> token ids, saved with `datasets` save_to_disk.
 
 No padding is stored (batches are padded dynamically at train time). Inputs longer than
-`tokenize.max_length` keep their head and the tokenizer's closing special tokens (stages/common/tokens.py);
-each row's labels are its task's (stages/common/tasks.py: class ids, target ids, or prompt + target). The manifest
-records token-length stats per split (mean, p50, p95, max, share truncated).
+`tokenize.max_length` keep their head and the tokenizer's closing special tokens (stages/common/tokens.py;
+causal_lm prompt + target: the prompt's head is cut); each row's labels are its task's (stages/common/tasks.py:
+class ids, target ids, or prompt + target). Conversations are rendered with the chat template
+(stages/common/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
+truncated, over what max_length cuts: causal_lm prompt + target).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
 
+from stages.common import chat
 from stages.common.arrow import read_split
 from stages.common.hf import load_tokenizer
-from stages.common.tasks import task_of
-from stages.common.tokens import encode
+from stages.common.tasks import TokenRows, task_of
+from stages.common.tokens import bare_ids
 from stages.engine.stage import StageContext
 
 
@@ -44,22 +48,36 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok = load_tokenizer(cfg)
     data_dir = ctx.upstream["data"]
     splits = [s for s in ("train", "validation", "test") if (data_dir / f"{s}.arrow").exists()]
+    template = None
     out, stats = {}, {}
     for name in splits:
         table = read_split(data_dir, name)
-        texts = [t.prefix + x for x in table.column("text").to_pylist()]
-        ids, lengths = encode(tok, texts, t.max_length, t.batch_size, f"tokenize {name}")
-        cols: dict[str, Any] = {"id": table.column("id").to_pylist()}
-        stats[name] = {"input": length_stats(lengths, t.max_length)}
-        ids, cols["labels"], target_lengths = task.token_rows(tok, ids, table, t, f"tokenize {name}")
-        if target_lengths is not None:
-            stats[name]["target"] = length_stats(target_lengths, t.max_target_length)
-        cols["input_ids"] = ids
-        cols["length"] = [len(x) for x in ids]
+        if "messages" in table.column_names:  # conversations (data.format messages / alpaca)
+            if template is None:
+                template = chat.template_of(tok, t, cfg.model.name)
+            ids, labels, lengths, starts = chat.render_rows(tok, template, table.column("messages").to_pylist(), t)
+            rows = TokenRows(ids, labels, lengths, prompt_lengths=starts)
+        else:
+            texts = [t.prefix + x for x in table.column("text").to_pylist()]
+            rows = task.token_rows(tok, bare_ids(tok, texts, t.batch_size, f"tokenize {name}"), table, t,
+                                   f"tokenize {name}")
+        cols: dict[str, Any] = {"id": table.column("id").to_pylist(), "labels": rows.labels,
+                                "input_ids": rows.input_ids, "length": [len(x) for x in rows.input_ids]}
+        if rows.prompt_lengths is not None:  # where generation starts (evaluate)
+            cols["prompt_length"] = rows.prompt_lengths
+        stats[name] = {"input": length_stats(rows.lengths, t.max_length)}
+        if rows.target_lengths is not None:
+            stats[name]["target"] = length_stats(rows.target_lengths, t.max_target_length)
         # a fixed fingerprint keeps save_to_disk byte-identical across reruns
         out[name] = datasets.Dataset(InMemoryTable(pa.table(cols)), fingerprint=f"tokenized-{name}")
     datasets.disable_progress_bars()
     datasets.DatasetDict(out).save_to_disk(str(ctx.out_dir / "dataset"))
+    if template is not None:
+        tok.chat_template = template  # the export ships the template the model was tuned with
     tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
     ctx.log.info("tokenize: %s", {k: v["input"]["mean"] for k, v in stats.items()})
-    return {"tokenizer": type(tok).__name__, "vocab_size": len(tok), "lengths": stats}
+    manifest: dict[str, Any] = {"tokenizer": type(tok).__name__, "vocab_size": len(tok), "lengths": stats}
+    if template is not None:
+        manifest["chat"] = {"template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+                            "loss_on": "assistant" if t.loss_on == "auto" else t.loss_on}
+    return manifest

@@ -38,7 +38,8 @@ def tokenizer_files(cfg: PipelineConfig) -> list[Path]:
     if local.is_file():
         return [local]
     return sorted(p for p in local.iterdir() if p.is_file() and
-                  (p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "spiece", "added_tokens"))
+                  (p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "spiece", "added_tokens",
+                                       "chat_template"))
                    or p.suffix in (".model", ".tiktoken")))
 
 

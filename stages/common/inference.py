@@ -79,8 +79,13 @@ def decoded_targets(tok: Any, labels: list[list[int]]) -> list[str]:
 
 
 def prompt_of(input_ids: list[int], labels: list[int]) -> list[int]:
-    """causal_lm rows are prompt + target with the prompt's labels masked: the prompt is that prefix."""
-    n = next((k for k, y in enumerate(labels) if y != IGNORE_INDEX), len(labels))
+    """causal_lm rows are prompt + target with the prompt's labels masked (a conversation: each assistant turn
+    labelled): the prompt is what comes before the last labelled run, the answer generation is scored on."""
+    n = len(labels)
+    while n > 0 and labels[n - 1] == IGNORE_INDEX:
+        n -= 1
+    while n > 0 and labels[n - 1] != IGNORE_INDEX:
+        n -= 1
     return input_ids[:n]
 
 

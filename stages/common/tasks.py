@@ -45,12 +45,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class TokenRows:
+    """A tokenized split: input ids, labels, and the untruncated lengths of the inputs (causal_lm: prompt +
+    target, what tokenize.max_length cuts) and of the targets (None without targets)."""
+
+    input_ids: list[list[int]]
+    labels: list[Any]
+    lengths: list[int]
+    target_lengths: list[int] | None = None
+    prompt_lengths: list[int] | None = None  # causal_lm with targets: where each row's answer starts
+
+
+@dataclass(frozen=True)
 class TaskData:
     """The columns a task needs of its data (read by the data stage at plan time and when it computes)."""
 
     classifies: bool = False  # a label column in every split; classes, label names, num_labels
     needs_target: bool = False  # a target column in every split
     source_target: bool = True  # when data.target_column is null, the source's default (billsum: summary)
+    chats: bool = False  # conversations (data.format messages / alpaca) rendered with a chat template
 
     def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
         """{setting: column} the data stage needs in every split (a None column: the setting is missing)."""
@@ -69,7 +82,7 @@ class TaskData:
 TASK_DATA: dict[str, TaskData] = {
     "seq_cls": TaskData(classifies=True, source_target=False),
     "seq2seq": TaskData(needs_target=True),
-    "causal_lm": TaskData(),  # a target when there is one (prompt -> completion), else language modelling
+    "causal_lm": TaskData(chats=True),  # a target when there is one (prompt -> completion), else language modelling
 }
 
 
@@ -113,10 +126,8 @@ class Task:
         """Set what this task needs on the transformers config before the model is built."""
 
     # ---------------------------------------------------------------- tokens
-    def token_rows(self, tok: Any, ids: list[list[int]], table: Any, t: TokenizeConfig, desc: str
-                   ) -> tuple[list[list[int]], list[Any], list[int] | None]:
-        """(input ids, labels, untruncated target lengths or None) of a data split's rows, given their
-        tokenized texts `ids`."""
+    def token_rows(self, tok: Any, bare: list[list[int]], table: Any, t: TokenizeConfig, desc: str) -> TokenRows:
+        """A data split's rows, given the bare token ids of their texts (stages/common/tokens.py bare_ids)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- training
@@ -219,9 +230,11 @@ class Classification(Task):
     def configure(self, config: Any, m: Any) -> None:
         config.num_labels = m.num_labels or 2
 
-    def token_rows(self, tok: Any, ids: list[list[int]], table: Any, t: TokenizeConfig, desc: str
-                   ) -> tuple[list[list[int]], list[Any], list[int] | None]:
-        return ids, table.column("label").to_pylist(), None
+    def token_rows(self, tok: Any, bare: list[list[int]], table: Any, t: TokenizeConfig, desc: str) -> TokenRows:
+        from stages.common.tokens import with_specials
+
+        ids, lengths = with_specials(tok, bare, t.max_length)
+        return TokenRows(ids, table.column("label").to_pylist(), lengths)
 
     def label_tensor(self, rows: list[dict]) -> torch.Tensor:
         import torch
@@ -296,24 +309,24 @@ class Generation(Task):
     predicts = "texts"
     default_metrics = ("rouge",)
 
-    def token_rows(self, tok: Any, ids: list[list[int]], table: Any, t: TokenizeConfig, desc: str
-                   ) -> tuple[list[list[int]], list[Any], list[int] | None]:
+    def token_rows(self, tok: Any, bare: list[list[int]], table: Any, t: TokenizeConfig, desc: str) -> TokenRows:
         from stages.common.tokens import bare_ids, with_specials
 
-        if "target" not in table.column_names:
-            return ids, ids, None
-        bare = bare_ids(tok, table.column("target").to_pylist(), t.batch_size, f"{desc} targets")
-        target_ids, lengths = with_specials(tok, bare, t.max_target_length)
-        ids, labels = self.with_targets(tok, ids, bare, target_ids, t)
-        return ids, labels, lengths
+        if "target" not in table.column_names:  # language modelling: every token is a label
+            ids, lengths = with_specials(tok, bare, t.max_length)
+            return TokenRows(ids, ids, lengths)
+        bare_targets = bare_ids(tok, table.column("target").to_pylist(), t.batch_size, f"{desc} targets")
+        target_ids, target_lengths = with_specials(tok, bare_targets, t.max_target_length)
+        return self.with_targets(tok, bare, bare_targets, target_ids, target_lengths, t)
 
-    def with_targets(self, tok: Any, ids: list[list[int]], bare: list[list[int]], target_ids: list[list[int]],
-                     t: TokenizeConfig) -> tuple[list[list[int]], list[list[int]]]:
-        """(input ids, labels) of rows with targets, given the targets' bare ids and their ids with specials."""
+    def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
+                     target_ids: list[list[int]], target_lengths: list[int], t: TokenizeConfig) -> TokenRows:
+        """Rows with targets, given the texts' and targets' bare ids and the targets with their specials."""
         raise NotImplementedError
 
-    def prompts(self, input_ids: list[list[int]], labels: list[list[int]]) -> list[list[int]]:
-        """What generation starts from, for tokenized rows."""
+    def prompts(self, input_ids: list[list[int]], labels: list[list[int]],
+                starts: list[int] | None = None) -> list[list[int]]:
+        """What generation starts from, for tokenized rows (`starts`: their prompt_length column)."""
         return [list(x) for x in input_ids]
 
     def validation_pass(self, model: torch.nn.Module, rows: Rows, order: list[int], pad_id: int, batch_size: int,
@@ -351,7 +364,7 @@ class Generation(Task):
         refs = targets()
         if refs is None:
             return self.untargeted(model, rows, tok, batch_size, device, desc, log), None, []
-        prompts = self.prompts(rows["input_ids"], rows["labels"])
+        prompts = self.prompts(rows["input_ids"], rows["labels"], rows.get("prompt_length"))
         preds, counts = generate(model, prompts, tok, gen, batch_size, device, self.decoder_only, desc, log)
         return ({"examples": len(refs), **metrics.compute(scores, preds, refs),
                  "generated_tokens_mean": sum(counts) / max(len(counts), 1),
@@ -394,9 +407,12 @@ class Seq2Seq(Generation):
                 "hire veterans through 2030."]
     encoder_decoder = True
 
-    def with_targets(self, tok: Any, ids: list[list[int]], bare: list[list[int]], target_ids: list[list[int]],
-                     t: TokenizeConfig) -> tuple[list[list[int]], list[list[int]]]:
-        return ids, target_ids
+    def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
+                     target_ids: list[list[int]], target_lengths: list[int], t: TokenizeConfig) -> TokenRows:
+        from stages.common.tokens import with_specials
+
+        ids, lengths = with_specials(tok, bare, t.max_length)
+        return TokenRows(ids, target_ids, lengths, target_lengths)
 
     def summed_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         import torch.nn.functional as F
@@ -418,11 +434,13 @@ class CausalLM(Generation):
     examples = ["Once upon a time"]
     decoder_only = True
 
-    def with_targets(self, tok: Any, ids: list[list[int]], bare: list[list[int]], target_ids: list[list[int]],
-                     t: TokenizeConfig) -> tuple[list[list[int]], list[list[int]]]:
-        from stages.common.tokens import prompt_then_target
+    def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
+                     target_ids: list[list[int]], target_lengths: list[int], t: TokenizeConfig) -> TokenRows:
+        from stages.common.tokens import prompt_then_target, with_specials
 
-        return prompt_then_target(tok, ids, bare, t)  # the same bare ids, tokenized once
+        prompts, _ = with_specials(tok, bare, None)  # untruncated: prompt_then_target cuts the prompt's head
+        ids, labels, lengths, starts = prompt_then_target(tok, prompts, bare_targets, t)  # tokenized once
+        return TokenRows(ids, labels, lengths, target_lengths, starts)
 
     def loss_units(self, batch: Batch) -> int:
         return int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
@@ -436,9 +454,12 @@ class CausalLM(Generation):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
-    def prompts(self, input_ids: list[list[int]], labels: list[list[int]]) -> list[list[int]]:
+    def prompts(self, input_ids: list[list[int]], labels: list[list[int]],
+                starts: list[int] | None = None) -> list[list[int]]:
         from stages.common.inference import prompt_of
 
+        if starts is not None:
+            return [list(x)[:n] for x, n in zip(input_ids, starts, strict=True)]
         return [prompt_of(list(x), list(y)) for x, y in zip(input_ids, labels, strict=True)]
 
     def untargeted(self, model: torch.nn.Module, rows: dict[str, list], tok: Any, batch_size: int,

@@ -42,21 +42,27 @@ def encode(tok: Any, texts: list[str], max_length: int | None, batch_size: int, 
 
 
 def prompt_then_target(tok: Any, prompts: list[list[int]], targets: list[str] | list[list[int]],
-                       t: TokenizeConfig) -> tuple[list, list]:
-    """Causal LM rows: prompt + target + EOS, loss on the target only. The target (cut to
-    max_target_length) always fits: the prompt's head is what gets cut to make room. `targets` are
-    texts, or their bare ids (bare_ids: no special tokens) when the caller already has them."""
-    _, tail = special_affixes(tok)
+                       t: TokenizeConfig) -> tuple[list, list, list[int], list[int]]:
+    """Causal LM rows: prompt + target + EOS, the loss on the target only (tokenize.loss_on completion; all:
+    on every token). The target (cut to max_target_length) always fits: the prompt's head is what gets cut
+    to make room (its leading special tokens and its end, the cue before the answer, stay). `targets` are
+    texts, or their bare ids (bare_ids: no special tokens) when the caller already has them. Also returns
+    each row's untruncated length (prompt + target) and its prompt's length (where generation starts)."""
+    head, tail = special_affixes(tok)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    limit = (t.max_target_length or t.max_length) - len(eos)
+    limit = min(t.max_target_length or t.max_length, t.max_length - len(head) - 1) - len(eos)
     if targets and isinstance(targets[0], str):
         targets = tok(targets, add_special_tokens=False)["input_ids"]
     target_ids = cast(list[list[int]], targets)
-    ids, labels = [], []
+    ids, labels, lengths, prompt_lengths = [], [], [], []
     for p, y in zip(prompts, target_ids, strict=True):
         p = p[: len(p) - len(tail)] if tail else p
+        lengths.append(len(p) + len(y) + len(eos))
         y = y[: max(limit, 1)] + eos
-        p = p[: max(t.max_length - len(y), 1)]
+        room = max(t.max_length - len(y) - len(head), 1)
+        body = p[len(head):]
+        p = head + body[max(len(body) - room, 0):]
         ids.append(p + y)
-        labels.append([IGNORE_INDEX] * len(p) + y)
-    return ids, labels
+        prompt_lengths.append(len(p))
+        labels.append(p + y if t.loss_on == "all" else [IGNORE_INDEX] * len(p) + y)
+    return ids, labels, lengths, prompt_lengths

@@ -140,13 +140,14 @@ def read_yaml(path: Path) -> dict:
 # current directory). "always": the field is a path; "local": a hub id or a path, a path when it starts with
 # ./ ../ ~ or names something that exists there.
 PATH_FIELDS = {("data", "path"): "always", ("data", "mirror"): "always", ("train", "accelerate_config"): "always",
-               ("tokenize", "tokenizer"): "local", ("model", "name"): "local", ("evaluate", "metrics"): "local"}
+               ("tokenize", "tokenizer"): "local", ("model", "name"): "local", ("evaluate", "metrics"): "local",
+               ("tokenize", "chat_template"): "local"}  # a file, or an inline template (never anchored)
 
 
 def _anchored(value: Any, folder: Path, kind: str) -> Any:
     if isinstance(value, list):
         return [_anchored(v, folder, kind) for v in value]
-    if not isinstance(value, str) or not value or value.startswith("pkg:") or "://" in value:
+    if not isinstance(value, str) or not value or value.startswith("pkg:") or "://" in value or "{" in value:
         return value
     path = Path(value).expanduser()
     if path.is_absolute():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from stages.engine.choices import choice_of
@@ -111,6 +111,28 @@ class DataConfig(Section):
                                           "export card and predictions.jsonl carry them.")
     target_column: str | None = Field(None, description="seq2seq / causal_lm: column of the target text; default "
                                       "`summary` for billsum")
+    format: Literal["columns", "alpaca", "messages"] = Field(
+        "columns", description="how a row holds its example. columns: text_column (+ label_column or "
+        "target_column: prompt/completion). alpaca: `instruction`, optional `input` and `output` columns, "
+        "asked and answered as one user and one assistant turn. messages (causal_lm): messages_column holds "
+        "a conversation, a list of {role, content} turns (system / user / assistant, multi-turn), rendered with "
+        "the chat template (docs/chat.md)")
+    messages_column: str = Field("messages", description="messages: the column holding each row's conversation")
+    message_fields: dict[str, str] = Field(
+        default_factory=lambda: {"role": "role", "content": "content"},
+        description="messages: the keys of a turn that hold its role and its text (ShareGPT: {role: from, "
+        "content: value})")
+
+    @field_validator("message_fields")
+    @classmethod
+    def _role_and_content(cls, v: dict[str, str]) -> dict[str, str]:
+        if set(v) - {"role", "content"}:
+            raise ValueError(f"keys {sorted(set(v) - {'role', 'content'})}: only role and content can be mapped")
+        return {"role": "role", "content": "content", **v}
+
+    roles: dict[str, Literal["system", "user", "assistant"]] = Field(
+        default_factory=dict, description="messages: other role names mapped to system / user / assistant "
+        "(ShareGPT: {human: user, gpt: assistant})")
     split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
@@ -132,6 +154,18 @@ class TokenizeConfig(Section):
     max_target_length: int | None = Field(None, ge=1, description="seq2seq / causal_lm: tokens per target, longer "
                                           "targets truncated; default max_length")
     prefix: str = Field("", description="text prepended to every input before tokenizing (T5: \"summarize: \")")
+    chat_template: str | None = Field(None, description="causal_lm with data.format messages or alpaca: the Jinja "
+                                      "chat template the conversations are rendered with. null: the tokenizer's "
+                                      "own (its model folder's or GGUF file's); a path to a .jinja file (its "
+                                      "content is in the key); else an inline Jinja string")
+    loss_on: Literal["auto", "assistant", "completion", "all"] = Field(
+        "auto", description="causal_lm: which tokens carry the loss. assistant: every assistant turn (its "
+        "closing end-of-turn token included, so the model learns to stop); completion: the target after the "
+        "prompt; all: every token. auto: assistant for conversations (messages, alpaca), completion for "
+        "prompt/completion, all without a target")
+    packing: bool = Field(False, description="causal_lm: concatenate the train split's rows into sequences of up "
+                          "to max_length tokens, position ids restarting per row and attention that cannot cross "
+                          "rows (validation and test stay one row per sequence)")
     batch_size: int = runtime(1000, ge=1, description="rows per tokenizer call (speed and memory only)")
 
 

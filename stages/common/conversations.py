@@ -1,0 +1,98 @@
+"""Conversations: a row's chat turns read from its data (data.format messages or alpaca), checked and
+normalised to a list of {role, content} with role system / user / assistant.
+
+The data stage writes them as an Arrow list<struct<role, content>> column `messages`; the tokenize stage
+renders them with the chat template (stages/common/chat.py). A value that is not a conversation is a
+DataError naming the file, the row (the file's line for CSV/JSONL) and the field, before any stage runs
+(stages/data.py check_rows) and again when the data stage reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from stages.engine.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+ALPACA_COLUMNS = ("instruction", "input", "output")  # input is optional
+
+
+def _as_list(value: Any) -> Any:
+    """A conversation as JSONL, Parquet (numpy arrays of dicts) or CSV (a JSON string) hands it over."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        value = value.tolist()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapping[str, str],
+                 where: str) -> list[dict[str, str]]:
+    """The turns of one row's `column` as [{role, content}]; `where` names the file and row for errors."""
+    turns = _as_list(value)
+    fix = "give each row a list of {role, content} turns (data.message_fields / data.roles map other names)"
+    if not isinstance(turns, list):
+        raise DataError(f"{where}, field '{column}': a {type(turns).__name__}, not a list of turns; {fix}")
+    role_key, content_key = fields.get("role", "role"), fields.get("content", "content")
+    out = []
+    for i, turn in enumerate(turns):
+        at = f"{where}, field '{column}[{i}]'"
+        if hasattr(turn, "items") and not isinstance(turn, dict):
+            turn = dict(turn.items())
+        if not isinstance(turn, dict):
+            raise DataError(f"{at}: a {type(turn).__name__}, not a {{role, content}} turn; {fix}")
+        for key in (role_key, content_key):
+            if key not in turn:
+                raise DataError(f"{at}: no key '{key}' (keys: {', '.join(map(str, turn))}); {fix}")
+        raw_role, content = turn[role_key], turn[content_key]
+        role = roles.get(str(raw_role), str(raw_role))
+        if role not in ROLES:
+            raise DataError(f"{at}: unknown role {raw_role!r} (known: {', '.join(ROLES)}); map it with "
+                            f"data.roles, e.g. {{{raw_role}: user}}")
+        if not isinstance(content, str):
+            raise DataError(f"{at}: content is a {type(content).__name__}, not text; give each turn's "
+                            f"'{content_key}' as a string")
+        out.append({"role": role, "content": content})
+    if not any(t["role"] == "assistant" for t in out):
+        raise DataError(f"{where}, field '{column}': no assistant turn (nothing to learn); give every "
+                        f"conversation at least one assistant turn")
+    return out
+
+
+def _text(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def alpaca(instruction: Any, input_: Any, output: Any, where: str) -> list[dict[str, str]]:
+    """An alpaca row as a user turn (the instruction, then the input after a blank line) and an assistant
+    turn (the output)."""
+    ask, extra, answer = _text(instruction).strip(), _text(input_).strip(), _text(output)
+    if not ask:
+        raise DataError(f"{where}, field 'instruction': empty; give every alpaca row an instruction")
+    if not answer.strip():
+        raise DataError(f"{where}, field 'output': empty; give every alpaca row an output")
+    return [{"role": "user", "content": f"{ask}\n\n{extra}" if extra else ask},
+            {"role": "assistant", "content": answer}]
+
+
+def last_exchange(turns: list[dict[str, str]]) -> tuple[str, str]:
+    """(the user turn before the last assistant turn, that assistant turn): the text and target the
+    evaluate stage shows and scores."""
+    last = max(i for i, t in enumerate(turns) if t["role"] == "assistant")
+    asked = next((t["content"] for t in reversed(turns[:last]) if t["role"] == "user"), "")
+    return asked, turns[last]["content"]
+
+
+def looks_structured(value: Any) -> bool:
+    """A cell holding a list or a dict (a conversation, most likely) where text is expected."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return True
+    return isinstance(value, list | dict | tuple)
