@@ -50,7 +50,7 @@ def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: 
 def lora_config(a: AdaptersConfig, task: str) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=a.r, lora_alpha=a.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r
+    return LoraConfig(r=a.r, lora_alpha=a.alpha,
                       lora_dropout=a.dropout, target_modules=list(a.target_modules),
                       modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=task_of(task).peft_task_type)
 

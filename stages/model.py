@@ -106,7 +106,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if m.from_config:
             model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
         else:
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,
                                         dtype=torch.float32,
                                         **kwargs, **common)
             clear_gguf_quantizer(model)
@@ -118,7 +118,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 model = cls.from_pretrained(base, dtype=plan.dtype, quantization_config=qconfig, **common)
     else:
         with fp32_modules_quantized(cls, q.quantize_fp32_modules):
-            model = cls.from_pretrained(source, revision=m.revision if local is None else None,  # type: ignore[arg-type]
+            model = cls.from_pretrained(source, revision=m.revision if local is None else None,
                                         dtype=plan.dtype,
                                         quantization_config=qconfig, **kwargs, **common)
     load_s = time.perf_counter() - t0

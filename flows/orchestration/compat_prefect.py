@@ -118,7 +118,7 @@ def start_temporary_server_in_own_session() -> None:
     of its own, so Ctrl-C reaches the run only; the run stops the server on exit."""
     import prefect.server.api.server as temporary_server
 
-    temporary_server.subprocess = _ServerInOwnSession()  # type: ignore[assignment]
+    temporary_server.subprocess = _ServerInOwnSession()
 
 
 class _FirstLineOfServerStart(logging.Filter):

@@ -87,7 +87,7 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
                             flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None)
         return _outcome(run, fr.name, fr.state, None)
-    parent = TaskRunContext.get().task_run.id  # type: ignore[union-attr]  # called inside a task
+    parent = TaskRunContext.get().task_run.id
     with get_client(sync_client=True) as client:
         wait_for_task_run(client, parent)
         child = client.create_flow_run(finetune, name=f"{sweep_name}: {run.label}", parameters=params,
