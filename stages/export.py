@@ -154,16 +154,33 @@ class _Configured:
 
 
 def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: Task) -> Any:
-    """The tokenize stage's tokenizer, truncating at tokenize.max_length by default (model_max_length),
-    giving input_ids + attention_mask, padding decoder-only prompts on the left."""
+    """The tokenize stage's tokenizer (with the chat template conversations were rendered with), truncating at
+    tokenize.max_length by default (model_max_length), giving input_ids + attention_mask, padding decoder-only
+    prompts on the left. (save_pretrained writes what init_kwargs hold: the attribute alone would not ship,
+    and a batch padded on the right makes a decoder continue after its pad tokens.)"""
     tok = load_tokenizer(tok_dir)
     tok.model_max_length = t.max_length
     # the stages feed the model these two only (a BERT tokenizer on a T5 / BLOOM would add token_type_ids)
     tok.model_input_names = tok.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
     if task.decoder_only:
-        tok.padding_side = "left"
+        tok.padding_side = tok.init_kwargs["padding_side"] = "left"
     tok.save_pretrained(str(out))
     return tok
+
+
+def chat_facts(tokenized: dict[str, Any], tok: Any, out: Path) -> dict[str, Any] | None:
+    """A chat export's: the file holding the template the conversations were rendered with (save_pretrained
+    writes chat_template.jinja, or the template inside tokenizer_config.json) and the end-of-turn token
+    generation stops at. None when the tokenize stage rendered no conversations."""
+    from stages.common.inference import end_of_turn
+
+    rendered = (tokenized.get("metrics") or {}).get("chat")
+    if not rendered:
+        return None
+    eot = end_of_turn(tok)
+    template = "chat_template.jinja" if (out / "chat_template.jinja").is_file() else "tokenizer_config.json"
+    return {"template": template, "template_sha256": rendered["template_sha256"], "loss_on": rendered["loss_on"],
+            "end_of_turn": tok.convert_ids_to_tokens(eot) if eot is not None else tok.eos_token}
 
 
 def save_hf(model: PreTrainedModel, out: Path, gen: Any) -> None:
@@ -248,9 +265,10 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def usage_snippet(task: Task, fmt: str, prefix: str) -> str:
-    """Python that loads the folder with transformers (+ peft) alone and runs it on the task's example texts;
-    run it from the export folder (or set `folder` to its path)."""
+def usage_snippet(task: Task, fmt: str, prefix: str, chat: bool = False) -> str:
+    """Python that loads the folder with transformers (+ peft) alone and runs it on the task's example texts
+    (`chat`: a batch of conversations rendered with the chat template); run it from the export folder (or set
+    `folder` to its path)."""
     cls = task.auto_peft_class if fmt == "adapter" else task.auto_class
     lib = "peft" if fmt == "adapter" else "transformers"
     lines = ["import torch"]
@@ -259,10 +277,17 @@ def usage_snippet(task: Task, fmt: str, prefix: str) -> str:
                   + (", GenerationConfig" if task.generates else "")]
     else:
         lines += [f"from {lib} import AutoTokenizer, {cls}"]
-    lines += ["", 'folder = "."  # this export folder', "tok = AutoTokenizer.from_pretrained(folder)",
-              f"model = {cls}.from_pretrained(folder).eval()", f"texts = {task.examples!r}"]
-    inputs = f"[{prefix!r} + t for t in texts]" if prefix else "texts"
-    lines += [f"batch = tok({inputs}, truncation=True, padding=True, return_tensors=\"pt\")"]
+    pads = "  # pads on the left" if task.decoder_only else ""
+    lines += ["", 'folder = "."  # this export folder', f"tok = AutoTokenizer.from_pretrained(folder){pads}",
+              f"model = {cls}.from_pretrained(folder).eval()"]
+    if chat:  # the template the model was tuned with (chat_template.jinja), its assistant cue at the end
+        lines += [f"conversations = {task.chat_examples!r}",
+                  "batch = tok.apply_chat_template(conversations, add_generation_prompt=True, padding=True, "
+                  "return_tensors=\"pt\")"]
+    else:
+        inputs = f"[{prefix!r} + t for t in texts]" if prefix else "texts"
+        lines += [f"texts = {task.examples!r}",
+                  f"batch = tok({inputs}, truncation=True, padding=True, return_tensors=\"pt\")"]
     return "\n".join(lines + task.usage_lines(fmt))
 
 
@@ -277,7 +302,8 @@ FILES = {
 
 def card(name: str, description: str | None, sections: dict[str, Any], keys: dict[str, str], train: dict[str, Any],
          fmt: str, extra: dict[str, str], sets: list[str], facts: dict[str, Any], revision: str | None,
-         evaluated: dict[str, dict[str, float]]) -> str:
+         evaluated: dict[str, dict[str, float]], chat: dict[str, Any] | None = None) -> str:
+    """The model card; `chat`: a chat export's facts (its template file, the end-of-turn token)."""
     import yaml
 
     m, task = sections["model"], task_of(sections["model"]["task"])
@@ -305,10 +331,20 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     if names:  # also the exported config's id2label / label2id
         lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
         lines += [""]
-    lines += ["## Usage", "", "With torch, transformers" + (" and peft" if fmt == "adapter" else "") +
-              " installed, from this folder:", "", "```python", usage_snippet(task, fmt, sections["tokenize"]["prefix"]),
-              "```", "", "Or on a text file, batched: `python -m flows.predict FOLDER --file texts.csv "
-              "--out predictions.jsonl` (from the finetune project).", ""]
+    lines += ["## Usage", ""]
+    if chat:
+        lines += [f"A chat model: the tokenizer's chat template (`{chat['template']}`) is the one it was tuned with; "
+                  f"`generation_config.json` stops each answer at `{chat['end_of_turn']}`, the token that closes an "
+                  "assistant turn; the tokenizer pads a batch on the left.", ""]
+    lines += ["With torch, transformers" + (" and peft" if fmt == "adapter" else "") + " installed, from this folder:",
+              "", "```python", usage_snippet(task, fmt, sections["tokenize"]["prefix"], bool(chat)), "```", ""]
+    if chat:
+        lines += ["Or from the finetune project, batched: `python -m flows.predict FOLDER --chat \"a question\" "
+                  "[--system \"...\"]`, or `--file conversations.jsonl --messages-column messages` (each line a "
+                  "conversation ending in a user turn) `--out answers.jsonl`.", ""]
+    else:
+        lines += ["Or on a text file, batched: `python -m flows.predict FOLDER --file texts.csv "
+                  "--out predictions.jsonl` (from the finetune project).", ""]
     lines += ["## Reproduce", "", f"From the finetune project's root, with `{PIPELINE_YAML}` copied there:", "",
               "```bash", command(name, sets), "```", ""]
     lines += ["The `--set` options are the ones this run was given (its runtime settings left out); they are "
@@ -349,6 +385,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     gen = generation_config(model_dir, cfg.evaluate, tok, task)
     extra: dict[str, str] = {}
     facts: dict[str, Any] = {"method": method, "format": fmt, "base_revision": revision}
+    chat = chat_facts(ctx.upstream_manifests["tokenize"], tok, out)
+    if chat:
+        facts["chat"] = chat
     if method == "lora":
         if fmt == "adapter":
             export_adapter(trained, out, cfg.model.name, revision)
@@ -393,6 +432,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                      + yaml.safe_dump({"pipelines": {cfg.name: {"description": cfg.description,
                                                                                 **changed}}}, sort_keys=False))
     (out / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, fmt, extra, sets,
-                                        facts, revision, evaluated))
+                                        facts, revision, evaluated, chat))
     ctx.log.info("export: %s at the top%s", fmt, "".join(f", {k}/" for k in extra))
     return {**facts, "files": sorted(p.name for p in out.iterdir()), "keys": keys, "command": command(cfg.name, sets)}

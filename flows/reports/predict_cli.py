@@ -2,6 +2,8 @@
 
     finetune predict PIPELINE [--config FILE] [--set ...] --text "a review" [--text ...]
     finetune predict EXPORT_FOLDER --file reviews.csv [--text-column review] [--out predictions.jsonl]
+    finetune predict CHAT_EXPORT --chat "a question" [--chat ...] [--system "be brief"]
+    finetune predict CHAT_EXPORT --file conversations.jsonl --messages-column messages [--out answers.jsonl]
 
 (= python -m flows.predict; flows/predict.py is the shim.)
 
@@ -12,6 +14,14 @@ tokenize stage does and run in batches sorted by length (stages/common/exported.
 on long inputs. From a pipeline name it uses the store's export for the current config and refuses, in one
 line naming the command that makes it, when that export is missing or stale. Bad input (no text, an empty
 file, no such column, a folder that is not an export) is one line on stderr, exit 2.
+
+A chat export (a causal LM tuned on conversations; its tokenizer carries the chat template) answers
+conversations: --chat TEXT is one user turn (each --chat its own conversation, after --system's turn when
+given); --messages-column names --file's column holding whole conversations (a list of {role, content} ending
+in a user turn; JSON text in a CSV). They are rendered with the export's template and its assistant cue,
+batched with left padding, and each answer stops at the end-of-turn token. --chat on an export without a chat
+template, or a malformed conversation (named by file, line and field), is one line, exit 2.
+An export folder is predicted on without Prefect or the store; a pipeline name reads the store.
 """
 
 from __future__ import annotations
@@ -27,7 +37,6 @@ from typing import Any
 from stages.engine.cli import guarded
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.status import CACHED, find
 
 SHOWN = 80  # characters of each input text printed beside its prediction
 
@@ -39,6 +48,13 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
     p.add_argument("--text", action="append", default=[], help="a text to predict on (repeatable)")
     p.add_argument("--file", type=Path, help="a CSV or JSONL file (.gz too) with one text per row")
     p.add_argument("--text-column", default="text", help="--file's column holding the text (default: text)")
+    p.add_argument("--chat", action="append", default=[], metavar="TEXT",
+                   help="a chat export: a user turn to answer (repeatable: each its own conversation, batched)")
+    p.add_argument("--system", metavar="TEXT", help="a chat export: a system turn before each --chat turn (and "
+                   "before each --messages-column conversation that has none)")
+    p.add_argument("--messages-column", metavar="COLUMN", help="a chat export: --file's column holding whole "
+                   "conversations, each a list of {role, content} turns (system / user / assistant) ending in "
+                   "the user turn to answer (JSONL; in a CSV, the list as JSON text)")
     p.add_argument("--out", type=Path, help="write one JSON line per text here instead of printing")
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     p.add_argument("--max-new-tokens", type=int, help="generation: tokens to generate (default: the export's)")
@@ -55,13 +71,15 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
 # ---------------------------------------------------------------- inputs
 
 
-def read_texts(path: Path, column: str) -> list[str]:
-    """The texts of a CSV or JSONL file (optionally gzipped), in file order."""
+def read_rows(path: Path) -> tuple[list[Any], list[str], list[int]]:
+    """(rows, columns, each row's line in the file) of a CSV or JSONL file (optionally gzipped), in file
+    order."""
     if not path.is_file():
         raise MissingInputError(f"--file {path}: no such file")
     name = path.name.removesuffix(".gz")
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8", newline="") as f:
+        lines: list[int] = []
         if name.endswith(".jsonl") or name.endswith(".json"):
             rows = []
             for n, line in enumerate(f, 1):
@@ -71,23 +89,62 @@ def read_texts(path: Path, column: str) -> list[str]:
                     except ValueError:
                         raise ConfigError(f"--file {path}: line {n} is not JSON; give one JSON object per "
                                           f"line") from None
+                    lines.append(n)
             columns = list(rows[0]) if rows and isinstance(rows[0], dict) else []
         elif name.endswith((".csv", ".tsv")):
             reader = csv.DictReader(f, delimiter="\t" if name.endswith(".tsv") else ",")
-            rows, columns = list(reader), list(reader.fieldnames or [])
+            rows = []
+            for row in reader:
+                rows.append(row)
+                lines.append(reader.line_num)
+            columns = list(reader.fieldnames or [])
         else:
             raise ConfigError(f"--file {path}: not a .csv, .tsv or .jsonl file")
     if not rows:
         raise ConfigError(f"--file {path}: no rows")
+    return rows, columns, lines
+
+
+def missing_column(path: Path, column: str, columns: list[str], option: str) -> ConfigError:
+    hint = (" (conversations? pass --messages-column messages)" if option == "--text-column" and
+            "messages" in columns else "")
+    return ConfigError(f"--file {path}: no column '{column}' (it has {', '.join(map(str, columns)) or 'none'}); "
+                       f"pass {option}{hint}")
+
+
+def read_texts(path: Path, column: str) -> list[str]:
+    """The texts of a CSV or JSONL file (optionally gzipped), in file order."""
+    rows, columns, _ = read_rows(path)
     if column not in columns:
-        raise ConfigError(f"--file {path}: no column '{column}' (it has {', '.join(map(str, columns)) or 'none'}); "
-                          f"pass --text-column")
+        raise missing_column(path, column, columns, "--text-column")
     texts = [r.get(column) if isinstance(r, dict) else None for r in rows]
     empty = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
     if empty:
         raise ConfigError(f"--file {path}: column '{column}' is empty or not text in row {empty[0] + 1} "
                           f"({len(empty)} rows); remove or fill those rows")
     return [str(t) for t in texts]
+
+
+def read_conversations(path: Path, column: str, system: str | None) -> list[list[dict[str, str]]]:
+    """The conversations of a file's `column`, each checked as the data stage checks one (a list of
+    {role, content}, known roles, text content), ending in a user turn; `system` goes first where there is
+    no system turn."""
+    from stages.common.conversations import conversation
+
+    rows, columns, lines = read_rows(path)
+    if column not in columns:
+        raise missing_column(path, column, columns, "--messages-column")
+    out = []
+    for row, line in zip(rows, lines, strict=True):
+        value = row.get(column) if isinstance(row, dict) else None
+        out.append(with_system(conversation(value, column, {}, {}, f"{path}: line {line}", reply=True), system))
+    return out
+
+
+def with_system(turns: list[dict[str, str]], system: str | None) -> list[dict[str, str]]:
+    if system is None or any(t["role"] == "system" for t in turns):
+        return turns
+    return [{"role": "system", "content": system}, *turns]
 
 
 def finetune_command(cfg: Any, config: Path) -> str:
@@ -108,7 +165,7 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
             raise MissingInputError(f"{target}: no such folder; give a pipeline name or an export folder")
         return path
     from stages.engine.remote_store import open_store
-    from stages.engine.status import pipeline_status
+    from stages.engine.status import CACHED, find, pipeline_status
     from stages.graph import GRAPH
 
     cfg, store = load_pipeline(target, overrides, config), open_store()
@@ -134,28 +191,45 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
     def go() -> int:
         if args.batch_size < 1:
             raise ConfigError("--batch-size: must be at least 1")
-        if args.file is not None and args.text:
-            raise ConfigError("give texts with --text or --file, not both")
-        texts = read_texts(args.file, args.text_column) if args.file is not None else list(args.text)
+        given = [o for o, v in (("--text", args.text), ("--chat", args.chat), ("--file", args.file)) if v]
+        if len(given) > 1:
+            raise ConfigError(f"give one of --text, --chat or --file, not {' and '.join(given)}")
+        if args.messages_column is not None and args.file is None:
+            raise ConfigError("--messages-column names a column of --file; give --file FILE (or --chat TEXT)")
+        if args.system is not None and not (args.chat or args.messages_column):
+            raise ConfigError("--system goes with --chat or --messages-column (a chat export's conversations)")
+        if any(not t.strip() for t in args.text + args.chat):
+            raise ConfigError(f"{'--chat' if args.chat else '--text'}: an empty text; give the text to predict on")
+        chats = None  # conversations to answer, else texts to predict on
+        if args.chat:
+            chats = [with_system([{"role": "user", "content": t}], args.system) for t in args.chat]
+        elif args.messages_column is not None:
+            chats = read_conversations(args.file, args.messages_column, args.system)
+        if chats is not None:
+            texts = [c[-1]["content"] for c in chats]  # what is shown beside each answer
+        elif args.file is not None:
+            texts = read_texts(args.file, args.text_column)
+        else:
+            texts = list(args.text)
         if not texts:
-            raise ConfigError("nothing to predict: give --text TEXT (repeatable) or --file FILE")
-        if any(not t.strip() for t in texts):
-            raise ConfigError("--text: an empty text; give the text to predict on")
+            raise ConfigError("nothing to predict: give --text TEXT (repeatable), --chat TEXT or --file FILE")
         folder = export_folder(args.target, args.config, args.overrides)
         from stages.common.exported import load_export, predict
 
-        ex = load_export(folder)
+        ex = load_export(folder, chat=chats is not None)
         gen = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
                if v is not None}
         if gen and not ex.task.generates:
             raise ConfigError("--max-new-tokens / --num-beams: this export is a classifier; drop them")
-        records = predict(ex, texts, args.batch_size, gen, args.precision)
+        records = predict(ex, texts, args.batch_size, gen, args.precision, conversations=chats)
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:
-                for t, r in zip(texts, records, strict=True):
-                    f.write(json.dumps({"text": t, **r}) + "\n")
-            print(f"predict: {len(records)} texts -> {args.out} (model {folder})")
+                for i, (t, r) in enumerate(zip(texts, records, strict=True)):
+                    given = {"text": t} if chats is None else {"messages": chats[i]}
+                    f.write(json.dumps({**given, **r}) + "\n")
+            print(f"predict: {len(records)} {'texts' if chats is None else 'conversations'} -> {args.out} "
+                  f"(model {folder})")
             return 0
         for t, r in zip(texts, records, strict=True):
             if "label" in r:

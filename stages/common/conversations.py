@@ -33,8 +33,10 @@ def _as_list(value: Any) -> Any:
 
 
 def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapping[str, str],
-                 where: str) -> list[dict[str, str]]:
-    """The turns of one row's `column` as [{role, content}]; `where` names the file and row for errors."""
+                 where: str, reply: bool = False) -> list[dict[str, str]]:
+    """The turns of one row's `column` as [{role, content}]; `where` names the file and row for errors.
+    `reply`: a conversation to answer (`finetune predict`), which ends in a user turn instead of holding an
+    assistant turn."""
     turns = _as_list(value)
     fix = "give each row a list of {role, content} turns (data.message_fields / data.roles map other names)"
     if not isinstance(turns, list):
@@ -59,6 +61,12 @@ def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapp
             raise DataError(f"{at}: content is a {type(content).__name__}, not text; give each turn's "
                             f"'{content_key}' as a string")
         out.append({"role": role, "content": content})
+    if reply:
+        if not out or out[-1]["role"] != "user":
+            last = f"a {out[-1]['role']} turn" if out else "no turn"
+            raise DataError(f"{where}, field '{column}': ends with {last}, not a user turn; end every "
+                            f"conversation with the user turn to answer")
+        return out
     if not any(t["role"] == "assistant" for t in out):
         raise DataError(f"{where}, field '{column}': no assistant turn (nothing to learn); give every "
                         f"conversation at least one assistant turn")

@@ -2,7 +2,13 @@
 tokenizer and the Auto class alone (AutoPeftModelFor... for an adapter at the top), the texts tokenized as
 the tokenize stage tokenizes (prefix, truncation at tokenize.max_length, the causal prompt without its
 closing special), then the evaluate stage's batched inference (stages/common/inference.py): labels with
-probabilities for a classifier, generated text for seq2seq / causal_lm."""
+probabilities for a classifier, generated text for seq2seq / causal_lm.
+
+A chat export (a causal LM whose tokenizer has a chat template: the one its conversations were rendered
+with) also answers conversations: each rendered with the template and its assistant cue
+(add_generation_prompt), as `tokenizer.apply_chat_template` renders it, generated in batches padded on the
+left (with the KV cache, greedy as evaluate), each row stopping at the end-of-turn token
+(generation_config.json). Nothing here imports Prefect or opens the store."""
 
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ def is_export(folder: Path) -> bool:
         (folder / f).is_file() for f in ("config.json", "adapter_config.json"))
 
 
-def load_export(folder: Path | str) -> Exported:
-    """The folder's tokenizer and model (eval mode), on the GPU when there is one."""
+def load_export(folder: Path | str, chat: bool = False) -> Exported:
+    """The folder's tokenizer and model (eval mode), on the GPU when there is one. `chat`: to answer
+    conversations, refused (before the model loads) for an export that has no chat template."""
     import transformers
 
     folder = Path(folder)
@@ -50,6 +57,9 @@ def load_export(folder: Path | str) -> Exported:
     quiet_transformers()
     settings = json.loads((folder / PIPELINE_JSON).read_text())
     task = task_of(settings["model"]["task"])
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    if chat:
+        refuse_chat(folder, task, tok)
     name = task.auto_class
     if (folder / "adapter_config.json").is_file():
         import peft
@@ -62,7 +72,6 @@ def load_export(folder: Path | str) -> Exported:
     if task.generates:
         gen = transformers.GenerationConfig.from_pretrained(str(folder))
         generation = {"generation_config": gen}
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], settings["tokenize"]["max_length"],
                     generation, settings.get("train", {}).get("mixed_precision", "auto"))
 
@@ -72,6 +81,37 @@ def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
     without them (evaluate's prompt_of)."""
     ids = ex.tok([ex.prefix + t for t in texts], truncation=True, max_length=ex.max_length)["input_ids"]
     return ex.task.prompt_ids(ex.tok, ids)
+
+
+def refuse_chat(folder: Path, task: Task, tok: Any) -> None:
+    """A conversation needs a decoder and a chat template to render it with."""
+    if not task.decoder_only:
+        raise ConfigError(f"--chat / --messages-column: {folder} is a {task.name} export ({task.pipeline_tag}), "
+                          f"not a chat model; give --text or --file with a text column")
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(f"--chat / --messages-column: {folder} has no chat template (its tokenizer has none: the "
+                          f"model was tuned on plain text); give --text, or export a pipeline with data.format "
+                          f"messages")
+
+
+def chat_ids(ex: Exported, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+    """Conversations ending in a user turn -> prompt ids: rendered with the export's chat template and the
+    assistant cue, tokenized with no specials added (the template writes them), as apply_chat_template does
+    and as the tokenize stage tokenizes a conversation. Longer than tokenize.max_length: the oldest exchanges
+    go first (a system turn stays), then the head, as the tokenize stage cuts a conversation."""
+    def ids(turns: list[dict[str, str]]) -> list[int]:
+        text = ex.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return list(ex.tok(text, add_special_tokens=False)["input_ids"])
+
+    out = []
+    for turns in conversations:
+        x = ids(turns)
+        while len(x) > ex.max_length and sum(t["role"] == "assistant" for t in turns):
+            first = next(i for i, t in enumerate(turns) if t["role"] == "assistant")
+            turns = [t for i, t in enumerate(turns) if t["role"] == "system" or i > first]
+            x = ids(turns)
+        out.append(x[-ex.max_length:])
+    return out
 
 
 def export_precision(ex: Exported, device: Any) -> Precision:
@@ -85,11 +125,15 @@ def export_precision(ex: Exported, device: Any) -> Precision:
 
 
 def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dict[str, Any] | None = None,
-            precision: str = "export") -> list[dict[str, Any]]:
-    """One record per text, in order: {"label", "probability", "probabilities"} or {"generated"}. The forward
-    passes autocast in `precision`: export (the precision evaluate used, so its predictions reproduce), or
-    auto (bf16 on GPUs and CPUs with bf16 units, else fp32), no, bf16, fp16."""
-    ids = token_ids(ex, texts)
+            precision: str = "export", conversations: list[list[dict[str, str]]] | None = None
+            ) -> list[dict[str, Any]]:
+    """One record per text (or per conversation, given `conversations` instead: the assistant's answer), in
+    order: {"label", "probability", "probabilities"} or {"generated"}. The forward passes autocast in
+    `precision`: export (the precision evaluate used, so its predictions reproduce), or auto (bf16 on GPUs and
+    CPUs with bf16 units, else fp32), no, bf16, fp16."""
+    if conversations is not None:
+        refuse_chat(ex.folder, ex.task, ex.tok)
+    ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
     device = device_for(ex.model)
     chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
     log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)

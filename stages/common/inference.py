@@ -73,6 +73,29 @@ def stop_token(tok: Any, model: Any) -> int | None:
     return tail[-1] if tail else (tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id)
 
 
+def end_of_turn(tok: Any) -> int | None:
+    """The token that closes an assistant turn under the tokenizer's chat template (ChatML's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>): the first special token after the answer of a rendered
+    exchange, the end the tokenize stage labels in each assistant turn. None without a template (or one that
+    does not render a plain user / assistant exchange)."""
+    from jinja2 import TemplateError
+
+    if not getattr(tok, "chat_template", None):
+        return None
+    answer = "Fine, thanks."
+    try:
+        text = str(tok.apply_chat_template([{"role": "user", "content": "How are you?"},
+                                            {"role": "assistant", "content": answer}], tokenize=False))
+    except (TemplateError, ValueError, TypeError):
+        return None
+    at = text.rfind(answer)
+    if at < 0:
+        return None
+    specials = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    after = tok(text[at + len(answer):], add_special_tokens=False)["input_ids"]
+    return next((int(i) for i in after if i in specials), None)
+
+
 def decoded_targets(tok: Any, labels: list[list[int]]) -> list[str]:
     """The target texts of tokenized rows (their labels, masked positions dropped), as generation decodes."""
     return [tok.decode([t for t in y if t != IGNORE_INDEX], skip_special_tokens=True).strip() for y in labels]

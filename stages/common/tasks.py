@@ -104,6 +104,7 @@ class Task:
     predicts: ClassVar[str]  # "labels" (class ids) or "texts": what the evaluate modules score
     default_metrics: ClassVar[tuple[str, ...]]  # `evaluate.metrics` when the pipeline leaves it null
     examples: ClassVar[list[str]]  # the texts the card's usage snippet runs on
+    chat_examples: ClassVar[list[list[dict[str, str]]]] = []  # the conversations it runs on (a chat export)
     generates: ClassVar[bool] = True  # predicts by generation (a generation_config.json ships)
     decoder_only: ClassVar[bool] = False  # prompts padded on the left; the prompt comes back before the answer
     encoder_decoder: ClassVar[bool] = False  # targets run through a decoder of their own length
@@ -431,7 +432,10 @@ class CausalLM(Generation):
     auto_class = "AutoModelForCausalLM"
     peft_task_type = "CAUSAL_LM"
     pipeline_tag = "text-generation"
-    examples = ["Once upon a time"]
+    examples = ["Once upon a time", "The three things to remember when you cook pasta for a crowd are"]
+    chat_examples = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Answer in one sentence."},
+                      {"role": "user", "content": "Why is the sky blue on a clear day, and red at sunset?"}]]
     decoder_only = True
 
     def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
@@ -478,6 +482,17 @@ class CausalLM(Generation):
         loss = total / max(units, 1)
         return {"examples": len(lengths), "loss": loss, "perplexity": float(torch.tensor(loss).exp()),
                 "tokens": units}
+
+    def generation(self, e: Any, tok: Any, model: Any) -> dict[str, Any]:
+        """Also stopping at the token that closes an assistant turn under the chat template (what the tokenize
+        stage labels in conversations), when it is not the end token already."""
+        from stages.common.inference import end_of_turn, generation_kwargs
+
+        kw = generation_kwargs(e, tok, model)
+        eot, eos = end_of_turn(tok), kw["eos_token_id"]
+        if eot is not None and eot != eos:
+            kw["eos_token_id"] = eot if eos is None else [eot, eos]
+        return kw
 
     def prompt_ids(self, tok: Any, ids: list[list[int]]) -> list[list[int]]:
         from stages.common.hf import special_affixes

@@ -12,11 +12,14 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.stage import JOINED
-from stages.engine.store import Outcome
+
+if TYPE_CHECKING:  # `finetune predict` on an export folder imports no store
+    from stages.engine.store import Outcome
 
 
 def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentParser:
