@@ -281,7 +281,7 @@ def usage_snippet(task: Task, fmt: str, prefix: str, chat: bool = False) -> str:
     lines += ["", 'folder = "."  # this export folder', f"tok = AutoTokenizer.from_pretrained(folder){pads}",
               f"model = {cls}.from_pretrained(folder).eval()"]
     if chat:  # the template the model was tuned with (chat_template.jinja), its assistant cue at the end
-        lines += [f"conversations = {task.chat_examples!r}",
+        lines += ["conversations = ["] + [f"    {json.dumps(c)}," for c in task.chat_examples] + ["]",
                   "batch = tok.apply_chat_template(conversations, add_generation_prompt=True, padding=True, "
                   "return_tensors=\"pt\")"]
     else:

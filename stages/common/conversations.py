@@ -63,7 +63,7 @@ def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapp
         out.append({"role": role, "content": content})
     if reply:
         if not out or out[-1]["role"] != "user":
-            last = f"a {out[-1]['role']} turn" if out else "no turn"
+            last = f"{'an' if out[-1]['role'] == 'assistant' else 'a'} {out[-1]['role']} turn" if out else "no turn"
             raise DataError(f"{where}, field '{column}': ends with {last}, not a user turn; end every "
                             f"conversation with the user turn to answer")
         return out

@@ -119,3 +119,40 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys, content, name,
     assert main([target, *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
+
+
+def test_chat_on_a_classifier_export_is_one_line_exit_2(runs, capsys):
+    assert main([str(runs["imdb"]["export"].path), "--chat", "Was it good?"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is a seq_cls export (text-classification), not a chat model" in err, err
+
+
+CONVERSATION = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("lines,message", [
+    ([CONVERSATION, [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}]],
+     "line 3, field 'messages[1]': unknown role 'bot' (known: system, user, assistant)"),
+    ([CONVERSATION, "Hi there"], "line 3, field 'messages': a str, not a list of turns"),
+    ([CONVERSATION, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]],
+     "line 3, field 'messages': ends with an assistant turn, not a user turn"),
+    ([CONVERSATION, [{"role": "user", "text": "Hi"}]], "line 3, field 'messages[0]': no key 'content'"),
+], ids=["unknown-role", "not-a-list", "no-user-turn-last", "no-content"])
+def test_a_malformed_conversation_names_file_line_and_field(runs, tmp_path, capsys, lines, message):
+    src = tmp_path / "convs.jsonl"  # a blank line 2: lines are counted in the file
+    src.write_text(json.dumps({"messages": lines[0]}) + "\n\n" + json.dumps({"messages": lines[1]}) + "\n")
+    assert main([str(runs["imdb"]["export"].path), "--file", str(src), "--messages-column", "messages"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{src}: {message}" in err, err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--text", "a", "--chat", "b"], "give one of --text, --chat or --file, not --text and --chat"),
+    (["--messages-column", "messages", "--chat", "b"], "--messages-column names a column of --file"),
+    (["--text", "a", "--system", "Be brief."], "--system goes with --chat or --messages-column"),
+    (["--chat", " "], "--chat: an empty text"),
+], ids=["text-and-chat", "column-without-file", "system-without-chat", "empty-chat"])
+def test_chat_options_that_do_not_go_together_are_one_line(runs, capsys, argv, message):
+    assert main([str(runs["imdb"]["export"].path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
