@@ -43,10 +43,14 @@ SHOWN = 80  # characters of each input text printed beside its prediction
 
 def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Predict with a pipeline's current "
-                                "export or an export folder: labels with probabilities, or generated text.")
+                                "export or an export folder: labels with probabilities, or generated text; a chat "
+                                "export answers conversations (--chat, or --file with --messages-column), rendered "
+                                "with its chat template, batched with left padding, each stopping at the end of "
+                                "its turn.")
     p.add_argument("target", help="a pipeline name (its export in the store) or an export folder")
     p.add_argument("--text", action="append", default=[], help="a text to predict on (repeatable)")
-    p.add_argument("--file", type=Path, help="a CSV or JSONL file (.gz too) with one text per row")
+    p.add_argument("--file", type=Path, help="a CSV or JSONL file (.gz too) with one text (or, with "
+                   "--messages-column, one conversation) per row")
     p.add_argument("--text-column", default="text", help="--file's column holding the text (default: text)")
     p.add_argument("--chat", action="append", default=[], metavar="TEXT",
                    help="a chat export: a user turn to answer (repeatable: each its own conversation, batched)")
