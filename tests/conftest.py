@@ -76,6 +76,15 @@ SLOW = {
         "test_a_run_killed_with_its_machine_resumes_on_the_other_from_the_shared_checkpoint",
         "test_a_sweep_on_a_work_pool_spreads_over_two_workers_sharing_one_s3_store",
     ),
+    "tests/stages/test_chat_export.py": (
+        "test_a_chat_export_carries_its_template_left_padding_and_the_end_of_turn_stop",
+        "test_a_prompt_completion_export_generates_the_evaluated_texts_from_a_left_padded_batch",
+        "test_apply_chat_template_and_generate_on_a_batch_reproduce_the_evaluated_answers",
+        "test_chat_on_an_export_without_a_chat_template_is_one_line_exit_2",
+        "test_predict_chat_gives_the_evaluated_answers_batched_or_one_at_a_time",
+        "test_predict_on_an_export_folder_imports_no_prefect_or_store",
+        "test_the_cards_snippet_answers_a_batch_of_conversations",
+    ),
     "tests/stages/test_data.py": (
         "test_imdb_split_reproduces_the_article",
     ),
