@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
             args.out.parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:
                 for i, (t, r) in enumerate(zip(texts, records, strict=True)):
-                    given = {"text": t} if chats is None else {"messages": chats[i]}
-                    f.write(json.dumps({**given, **r}) + "\n")
+                    asked = {"text": t} if chats is None else {"messages": chats[i]}
+                    f.write(json.dumps({**asked, **r}) + "\n")
             print(f"predict: {len(records)} {'texts' if chats is None else 'conversations'} -> {args.out} "
                   f"(model {folder})")
             return 0
