@@ -1,4 +1,5 @@
-"""Conversations: a row's chat turns read from its data (data.format messages or alpaca), checked and
+"""Conversations: a row's chat turns read from its data (data.format messages or alpaca) or built from its
+ordinary columns (data.format conversation: data.conversation's turns with `{column}` fields), checked and
 normalised to a list of {role, content} with role system / user / assistant.
 
 The data stage writes them as an Arrow list<struct<role, content>> column `messages`; the tokenize stage
@@ -89,6 +90,19 @@ def alpaca(instruction: Any, input_: Any, output: Any, where: str) -> list[dict[
         raise DataError(f"{where}, field 'output': empty; give every alpaca row an output")
     return [{"role": "user", "content": f"{ask}\n\n{extra}" if extra else ask},
             {"role": "assistant", "content": answer}]
+
+
+def from_columns(row: Mapping[str, Any], system: str | None, user: str, assistant: str,
+                 where: str) -> list[dict[str, str]]:
+    """A row's turns built from its columns: each of system (optional), user and assistant with its
+    `{column}` fields filled from `row` (str.format, so `{{` is a literal brace)."""
+    for name, value in row.items():
+        if looks_structured(value):
+            raise DataError(f"{where}, column '{name}': holds a {type(value).__name__}, not text; name text "
+                            f"columns in data.conversation (a conversation column: data.format messages)")
+    values = {k: _text(v) for k, v in row.items()}
+    turns = [("system", system), ("user", user), ("assistant", assistant)]
+    return [{"role": role, "content": text.format_map(values)} for role, text in turns if text is not None]
 
 
 def last_exchange(turns: list[dict[str, str]]) -> tuple[str, str]:

@@ -5,6 +5,7 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -85,6 +86,40 @@ class SplitConfig(Section):
         return self
 
 
+class ConversationTemplate(Section):
+    system: str | None = Field(None, description="the system turn, `{column}` fields filled from the row; null: "
+                               "none (the chat template may add its own default)")
+    user: str = Field(..., description="the user turn: text with `{column}` fields, each filled from that column "
+                      "of the row (`{label}`: data.label_column's class name, by data.label_names); `{{` and `}}` "
+                      "are literal braces")
+    assistant: str = Field(..., description="the assistant turn, the answer trained on and scored, e.g. "
+                           "\"{label}\"")
+
+    @model_validator(mode="after")
+    def _plain_fields(self) -> ConversationTemplate:
+        for role in ("system", "user", "assistant"):
+            text = getattr(self, role)
+            try:
+                names = [name for _, name, _, _ in string.Formatter().parse(text or "") if name is not None]
+            except ValueError as e:
+                raise ValueError(f"{role}: {e}; write a column as {{column}} and a literal brace as {{{{ or }}}}") \
+                    from None
+            for name in names:
+                if not name or any(c in name for c in ".[]"):
+                    raise ValueError(f"{role}: field {{{name}}} is not a column name; write a column as "
+                                     f"{{column}}")
+        return self
+
+    def fields(self) -> list[str]:
+        """The columns its turns name, in order of first use."""
+        out: list[str] = []
+        for text in (self.system, self.user, self.assistant):
+            for _, name, _, _ in string.Formatter().parse(text or ""):
+                if name and name not in out:
+                    out.append(name)
+        return out
+
+
 class DataConfig(Section):
     source: Literal["imdb", "billsum", "local"] = Field(
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
@@ -104,19 +139,21 @@ class DataConfig(Section):
     label_column: str | None = Field("label", description="seq_cls: column of the class of each row: integer "
                                      "ids 0 .. model.num_labels - 1, or names (strings), which map to ids by "
                                      "data.label_names")
-    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls: the class names in id order "
+    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls, and a data.conversation that "
+                                          "names {label_column}: the class names in id order "
                                           "(id i is label_names[i]). null: derived before the run from the data: "
                                           "neg/pos for IMDB and aclImdb, the sorted distinct names of a string "
                                           "label column, none for integer labels. The model's id2label, the "
                                           "export card and predictions.jsonl carry them.")
     target_column: str | None = Field(None, description="seq2seq / causal_lm: column of the target text; default "
                                       "`summary` for billsum")
-    format: Literal["columns", "alpaca", "messages"] = Field(
+    format: Literal["columns", "alpaca", "messages", "conversation"] = Field(
         "columns", description="how a row holds its example. columns: text_column (+ label_column or "
         "target_column: prompt/completion). alpaca: `instruction`, optional `input` and `output` columns, "
         "asked and answered as one user and one assistant turn. messages (causal_lm): messages_column holds "
         "a conversation, a list of {role, content} turns (system / user / assistant, multi-turn), rendered with "
-        "the chat template (docs/chat.md)")
+        "the chat template (docs/chat.md). conversation (causal_lm): a conversation built from ordinary columns "
+        "by data.conversation's turns (IMDB's text and label asked and answered as a chat)")
     messages_column: str = Field("messages", description="messages: the column holding each row's conversation")
     message_fields: dict[str, str] = Field(
         default_factory=lambda: {"role": "role", "content": "content"},
@@ -133,6 +170,10 @@ class DataConfig(Section):
     roles: dict[str, Literal["system", "user", "assistant"]] = Field(
         default_factory=dict, description="messages: other role names mapped to system / user / assistant "
         "(ShareGPT: {human: user, gpt: assistant})")
+    conversation: ConversationTemplate | None = Field(
+        None, description="format conversation: the system (optional), user and assistant turns of each row, "
+        "`{column}` fields filled from the row's columns, e.g. {user: \"{text}\\n\\nPositive or negative?\", "
+        "assistant: \"{label}\"}")
     split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
@@ -143,6 +184,9 @@ class DataConfig(Section):
             raise ValueError("source 'local' needs data.path (a CSV/JSONL/Parquet file or folder)")
         if self.subset and any(v < 1 for v in self.subset.values()):
             raise ValueError("subset sizes must be >= 1")
+        if (self.format == "conversation") != (self.conversation is not None):
+            raise ValueError("format conversation builds each row's turns from data.conversation: set both "
+                             "(e.g. conversation: {user: \"{text}\", assistant: \"{label}\"}) or neither")
         return self
 
 

@@ -220,3 +220,44 @@ def test_a_chat_pipeline_runs_end_to_end_on_the_models_template(tmp_path):
     assert ev["splits"]["test"]["examples"] == 4 and "rouge1" in ev["splits"]["test"]
     preds = [json.loads(x) for x in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
     assert {p["reference"] for p in preds} <= {"red", "blue", "green", "gold"}
+
+
+IMDB_ASK = {"system": "You judge movie reviews.",
+            "user": "{text}\n\nIs this movie review positive or negative? Answer with one word.",
+            "assistant": "{label}"}
+
+
+def test_ordinary_columns_become_a_conversation_with_class_names_rendered_and_masked(tok, tmp_path):
+    from stages.data import resolve_labels
+
+    reviews = [{"text": "A joy from start to end.", "label": 1}, {"text": "Dull {and} long.", "label": 0}]
+    cfg = resolve_labels(data_cfg(path=str(write_jsonl(tmp_path / "r.jsonl", reviews)), format="conversation",
+                                  conversation=IMDB_ASK, label_names=["negative", "positive"]))
+    got = normalise(frames(reviews), cfg)["train"]
+    assert list(got["target"]) == ["positive", "negative"]  # {label}: the class name of each id
+    assert got["text"][1] == "Dull {and} long.\n\nIs this movie review positive or negative? Answer with one word."
+    ids, labels, _, start = render(tok, list(got["messages"][0]), max_length=128)
+    assert tok.decode(ids) == ("<|im_start|>system\nYou judge movie reviews.<|im_end|>\n<|im_start|>user\nA joy "
+                               "from start to end.\n\nIs this movie review positive or negative? Answer with one "
+                               "word.<|im_end|>\n<|im_start|>assistant\npositive<|im_end|>\n")
+    assert [s for s, on in trained(tok, ids, labels) if on] == ["positive", "<|im_end|>", "\n"]
+    assert all(y == IGNORE_INDEX for y in labels[:start]) and start == len(ids) - 3
+    # IMDB from the mirror: its integer labels named neg/pos when data.label_names is left null
+    imdb = PipelineConfig.model_validate({"name": "t", "data": {"source": "imdb", "mirror": "/nowhere",
+                                                                "format": "conversation", "conversation": IMDB_ASK},
+                                          "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None}})
+    assert resolve_labels(imdb).data.label_names == ["neg", "pos"]
+
+
+def test_a_conversation_naming_an_unknown_column_is_refused_at_plan_time(tmp_path):
+    from stages.engine.config import load_pipeline
+    from stages.engine.errors import MissingInputError
+
+    rows = write_jsonl(tmp_path / "r.jsonl", [{"review": "Fine.", "label": 1}] * 12)
+    f = pipeline_file(tmp_path, rows, data={"format": "conversation", "conversation": IMDB_ASK})
+    with pytest.raises(MissingInputError, match=r"r\.jsonl: data\.conversation names \{text\}, which is not a "
+                                                r"column \(columns: review, label\)"):
+        plan(load_pipeline("mychat", [], path=f))
+    with pytest.raises(ValueError, match="format conversation builds each row's turns from data.conversation"):
+        PipelineConfig.model_validate({"name": "t", "data": {"format": "conversation"},
+                                       "model": {"name": "m", "task": "causal_lm"}})
