@@ -280,15 +280,15 @@ class AdaptersConfig(Section):
 # What validation during training computes, per model.task: val_<name> for each (loss: mean per row or target
 # token; the others by the evaluate stage's metric modules, stages/common/metrics.py). Lower is better for loss.
 VALIDATION_METRICS = {"seq_cls": ("loss", "accuracy", "macro_f1"),
-                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum"),
-                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum")}
+                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match"),
+                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match")}
 LOWER_IS_BETTER = ("loss",)
 
 
 class SelectBest(Section):
     metric: str = Field(..., pattern=r"^val_\w+$", description="validation metric to select on, val_<name>: "
                         "val_loss (mean per row or target token); seq_cls: val_accuracy, val_macro_f1; seq2seq / "
-                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum (greedy generation of the "
+                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match (greedy generation of the "
                         "validation rows, up to tokenize.max_target_length tokens). Checked against model.task "
                         "when the config loads")
     mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
@@ -415,8 +415,13 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1, description="generation limit per example")
     length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
     log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
+    baseline: bool = Field(False, description="also evaluate the untuned model on the same rows with the same "
+                           "settings (LoRA: the trained model with its adapters disabled; a full finetune: the "
+                           "model stage's weights): metrics.json's `baseline`, predictions.jsonl's `baseline` "
+                           "field, and `finetune summary` shows untuned vs tuned")
     metrics: list[str] | None = Field(None, min_length=1, description="`evaluate` metric modules, each by name or "
-                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum) are the project's "
+                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum), exact_match (a short "
+                                      "answer's normalised first words against the reference) are the project's "
                                       "offline modules (stages/common/metric_modules); a path is a local `evaluate` "
                                       "module (its file's content is in the key); any other name is loaded from "
                                       "the Hugging Face hub (online only). null: the task's: [accuracy, f1] for "

@@ -261,3 +261,41 @@ def test_a_conversation_naming_an_unknown_column_is_refused_at_plan_time(tmp_pat
     with pytest.raises(ValueError, match="format conversation builds each row's turns from data.conversation"):
         PipelineConfig.model_validate({"name": "t", "data": {"format": "conversation"},
                                        "model": {"name": "m", "task": "causal_lm"}})
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_baseline_is_the_untuned_model_evaluated_on_the_same_rows(tmp_path, method):
+    """evaluate.baseline: the untuned model (LoRA: adapters disabled; full: the model stage's weights) on the
+    same rows with the same settings equals an untuned evaluation computed here, and differs from the tuned."""
+    import logging
+
+    import datasets
+    import torch
+
+    from stages.common.model_loading import load_model
+    from stages.common.tasks import task_of
+    from stages.engine.config import load_pipeline
+    from stages.evaluate import references
+
+    adapters = {"method": "lora", "r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]} \
+        if method == "lora" else {"method": "full"}
+    f = pipeline_file(tmp_path, write_jsonl(tmp_path / "chats.jsonl", chat_rows(24)), adapters=adapters,
+                      train={"max_steps": 6, "lr": 3e-2, "mixed_precision": "no"},
+                      evaluate={"metrics": ["exact_match", "rouge"], "baseline": True})
+    cfg = load_pipeline("mychat", [], path=f)
+    out = {o.stage: o for o in run_pipeline(cfg, Store(tmp_path / "s"), until="evaluate")}
+    got = json.loads((out["evaluate"].path / "metrics.json").read_text())
+    assert got["baseline"] == out["evaluate"].manifest["metrics"]["baseline"] and set(got) == {"test", "baseline"}
+    preds = [json.loads(x) for x in (out["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
+
+    tok_dir = out["tokenize"].path
+    rows = datasets.load_from_disk(str(tok_dir / "dataset"))["test"].to_dict()
+    ids = [str(x) for x in rows["id"]]
+    tok, task = load_tokenizer(tok_dir / "tokenizer"), task_of("causal_lm")
+    base = load_model(out["model"].path).eval()
+    untuned, texts, _ = task.evaluate(base, rows, tok=tok, gen=task.generation(cfg.evaluate, tok, base),
+                                      scores=["exact_match", "rouge"], batch_size=cfg.evaluate.batch_size,
+                                      device=torch.device("cpu"), desc="untuned", log=logging.getLogger("t"),
+                                      targets=lambda: references(out["data"].path, "test", ids))
+    assert got["baseline"]["test"] == untuned and [p["baseline"] for p in preds] == texts
+    assert [p["prediction"] for p in preds] != texts  # tuning changed what the model says
