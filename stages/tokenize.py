@@ -18,6 +18,7 @@ import numpy as np
 from stages.common import chat
 from stages.common.arrow import read_split
 from stages.common.hf import load_tokenizer
+from stages.common.packing import pack_rows
 from stages.common.tasks import TokenRows, task_of
 from stages.common.tokens import bare_ids
 from stages.engine.stage import StageContext
@@ -49,6 +50,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     data_dir = ctx.upstream["data"]
     splits = [s for s in ("train", "validation", "test") if (data_dir / f"{s}.arrow").exists()]
     template = None
+    packing: dict[str, Any] | None = None
     out, stats = {}, {}
     for name in splits:
         table = read_split(data_dir, name)
@@ -68,6 +70,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         stats[name] = {"input": length_stats(rows.lengths, t.max_length)}
         if rows.target_lengths is not None:
             stats[name]["target"] = length_stats(rows.target_lengths, t.max_target_length)
+        if t.packing and name == "train":  # rows -> sequences of up to max_length (stages/common/packing.py)
+            packed = pack_rows(rows.input_ids, rows.labels, t.max_length)
+            cols = {"id": [[cols["id"][r] for r in seq] for seq in packed.rows], "labels": packed.labels,
+                    "input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                    "length": [len(x) for x in packed.input_ids]}
+            packing = packed.stats(t.max_length)
         # a fixed fingerprint keeps save_to_disk byte-identical across reruns
         out[name] = datasets.Dataset(InMemoryTable(pa.table(cols)), fingerprint=f"tokenized-{name}")
     datasets.disable_progress_bars()
@@ -77,6 +85,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
     ctx.log.info("tokenize: %s", {k: v["input"]["mean"] for k, v in stats.items()})
     manifest: dict[str, Any] = {"tokenizer": type(tok).__name__, "vocab_size": len(tok), "lengths": stats}
+    if packing is not None:
+        manifest["packing"] = packing
+        ctx.log.info("tokenize: packed %d train rows into %d sequences of up to %d tokens (fill %.1f%%)",
+                     packing["rows"], packing["sequences"], t.max_length, 100 * packing["fill"])
     if template is not None:
         manifest["chat"] = {"template_sha256": hashlib.sha256(template.encode()).hexdigest(),
                             "loss_on": "assistant" if t.loss_on == "auto" else t.loss_on}

@@ -448,8 +448,13 @@ class CausalLM(Generation):
     def summed_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         import torch.nn.functional as F
 
-        # token t predicts token t+1
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        # token t predicts token t+1. Packed rows (stages/common/packing.py): their position ids and no
+        # attention mask, from which transformers builds a block-diagonal causal mask (only without a cache)
+        if batch.position_ids is None:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        else:
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        logits = out.logits[:, :-1]
         targets = batch.labels[:, 1:]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
