@@ -6,6 +6,14 @@ causal_lm prompt + target: the prompt's head is cut); each row's labels are its 
 class ids, target ids, or prompt + target). Conversations are rendered with the chat template
 (stages/common/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
 truncated, over what max_length cuts: causal_lm prompt + target).
+
+Packing (tokenize.packing, causal_lm): the train split's rows, each already cut to max_length with its own
+labels, are packed into sequences of up to max_length tokens by best-fit decreasing (stages/common/packing.py:
+deterministic, and TRL's strategy, so bench/sft.py compares like with like). A packed row's `id` lists its rows'
+ids, `position_ids` restart at 0 per row (the train step gives the model these and no attention mask: a
+block-diagonal causal mask), each row's first token carries no label (the row before never predicts it) and
+`length` is the packed length. Validation and test stay one row per sequence. The manifest's `packing`: rows
+in, sequences out, fill = real tokens / (sequences x max_length).
 """
 
 from __future__ import annotations

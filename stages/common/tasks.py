@@ -107,6 +107,7 @@ class Task:
     generates: ClassVar[bool] = True  # predicts by generation (a generation_config.json ships)
     decoder_only: ClassVar[bool] = False  # prompts padded on the left; the prompt comes back before the answer
     encoder_decoder: ClassVar[bool] = False  # targets run through a decoder of their own length
+    packs: ClassVar[bool] = False  # tokenize.packing may pack its train rows (stages/common/packing.py)
 
     @property
     def auto_peft_class(self) -> str:
@@ -433,6 +434,7 @@ class CausalLM(Generation):
     pipeline_tag = "text-generation"
     examples = ["Once upon a time"]
     decoder_only = True
+    packs = True
 
     def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
                      target_ids: list[list[int]], target_lengths: list[int], t: TokenizeConfig) -> TokenRows:

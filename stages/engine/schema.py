@@ -431,10 +431,7 @@ class PipelineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _packing_is_for_causal_lm(self) -> PipelineConfig:
-        if self.tokenize.packing and self.model.task != "causal_lm":
-            raise ValueError(f"tokenize.packing: packs causal_lm rows only, model.task is {self.model.task}; set "
-                             "tokenize.packing: false")
+    def _packed_train_split_is_not_evaluated(self) -> PipelineConfig:
         if self.tokenize.packing and "train" in self.evaluate.splits:
             raise ValueError("evaluate.splits: the train split is packed (tokenize.packing: true), its rows are "
                              "not evaluated one by one; evaluate validation or test, or set tokenize.packing: false")

@@ -117,12 +117,12 @@ def test_a_packed_chat_pipeline_trains_through_python_m_stages_and_its_loss_fall
 
 def test_packing_is_refused_at_plan_time_for_another_task_and_for_evaluating_the_packed_train_split(tmp_path):
     f = pipeline_file(tmp_path, n=12)
-    for sets, message in (
-            (["model.task=seq2seq"], "tokenize.packing: packs causal_lm rows only, model.task is seq2seq; set "
-                                     "tokenize.packing: false"),
-            (["evaluate.splits=[train]"], "evaluate.splits: the train split is packed (tokenize.packing: true)")):
-        p = subprocess.run([sys.executable, "-m", "stages", "packed", "--config", str(f), "--set",
-                            "tokenize.packing=true", *[a for s in sets for a in ("--set", s)]], cwd=ROOT,
+    for args, message in (
+            (["demo"], "tokenize.packing: packs causal_lm rows only, model.task is seq_cls; set tokenize.packing: "
+                       "false"),  # the demo classifies reviews
+            (["packed", "--config", str(f), "--set", "evaluate.splits=[train]"],
+             "evaluate.splits: the train split is packed (tokenize.packing: true)")):
+        p = subprocess.run([sys.executable, "-m", "stages", *args, "--set", "tokenize.packing=true"], cwd=ROOT,
                            env=subprocess_env(tmp_path / "store"), capture_output=True, text=True, timeout=120)
         err = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(err) == 1 and message in err[0], p.stderr
