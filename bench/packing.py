@@ -16,7 +16,7 @@ The unpacked variants take micro-batch 4 x accumulation 4 (16 rows a step), the 
 accumulation 4 (8 sequences of about 2 rows: about the same tokens per micro-batch and per step). Each line
 carries the load average (1 min) at its start and end: on a shared machine, read ratios within one run.
 
-    .venv/bin/python bench/packing.py                          # 64 reviews, 2 runs (minutes per run on 2 cores)
+    .venv/bin/python bench/packing.py --threads 1              # 64 reviews, 2 runs (~10 min a run on a CPU core)
     .venv/bin/python bench/packing.py --rows 24 --runs 1       # a quick look
 
 Reusable (bench/sft.py): chat_rows() for the rows, packed_rows() for their packing, train_variant() for one
@@ -104,12 +104,15 @@ def train_variant(make_model: Callable[[], torch.nn.Module], rows: list[dict], m
     cfg = TrainConfig(micro_batch_size=micro, gradient_accumulation_steps=accumulation, epochs=1, lr=lr,
                       optimizer="adamw_torch", group_by_length=group_by_length, seed=0, mixed_precision="no",
                       checkpoint_every=10**6, log_every=10**6)
+    model = make_model()
     with tempfile.TemporaryDirectory() as d:
-        m = train_model(make_model(), rows, None, cfg, "causal_lm", pad_id, Path(d) / "out", Path(d) / "work",
+        cpu = time.process_time()
+        m = train_model(model, rows, None, cfg, "causal_lm", pad_id, Path(d) / "out", Path(d) / "work",
                         logging.getLogger("bench.packing"))
+        cpu = time.process_time() - cpu
     return {"real": m["real_tokens"], "computed": m["padded_tokens"], "seconds": m["train_seconds"],
-            "tok_s": m["tokens_per_s"], "steps": m["steps"], "padding": m["padding_share"],
-            "first_loss": m["first_loss"]}
+            "tok_s": m["tokens_per_s"], "cpu_seconds": cpu, "tok_cpu_s": m["real_tokens"] / cpu, "steps": m["steps"],
+            "padding": m["padding_share"], "first_loss": m["first_loss"]}
 
 
 VARIANTS: dict[str, tuple[bool, int, int, bool]] = {  # name: (packed, micro-batch, accumulation, group by length)
@@ -132,27 +135,28 @@ def compare(make_model: Callable[[], torch.nn.Module], rows: list[dict], pad_id:
             load0 = os.getloadavg()[0]
             res = train_variant(make_model, packed if is_packed else rows, micro, acc, pad_id, grouped)
             out.append({"run": run + 1, "variant": name, **res, "load": (load0, os.getloadavg()[0])})
-            print(f"  run {run + 1} {name:26s} {res['tok_s']:8.1f} tok/s  padding {res['padding']:.3f}  "
-                  f"{res['seconds']:7.1f} s  load {load0:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"  run {run + 1} {name:26s} {res['tok_s']:8.1f} tok/s ({res['seconds']:.1f} s)  "
+                  f"{res['tok_cpu_s']:8.1f} tok/CPU-s ({res['cpu_seconds']:.1f} s)  padding {res['padding']:.3f}  "
+                  f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}", flush=True)
     return out
 
 
 def table(results: list[dict[str, Any]], base: str = "unpacked, length-grouped") -> str:
-    """Medians over runs and, per run, each variant's tokens/s over `base`'s in the same run."""
+    """Medians over runs and, per run, each variant's tokens/s over `base`'s in the same run: wall clock (the
+    train stage's own tokens/s) and per CPU-second of this process (steadier where other jobs share the cores:
+    waiting for a core is not counted; it includes the stage's setup and its loss.png, the same for each)."""
     names = list(dict.fromkeys(r["variant"] for r in results))
     lines = [f"| variant | real tokens | computed tokens | padding | steps | tok/s (median) | x {base} (per run) "
-             "| load avg (1 min) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| tok/CPU-s (median) | x (per run) | load avg (1 min) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name in names:
-        mine = [r for r in results if r["variant"] == name]
-        ratios = []
-        for r in mine:
-            b = next(x for x in results if x["run"] == r["run"] and x["variant"] == base)
-            ratios.append(r["tok_s"] / b["tok_s"])
+        mine = sorted((r for r in results if r["variant"] == name), key=lambda r: r["run"])
+        bases = [next(x for x in results if x["run"] == r["run"] and x["variant"] == base) for r in mine]
+        wall = ", ".join(f"{r['tok_s'] / b['tok_s']:.2f}" for r, b in zip(mine, bases, strict=True))
+        cpu = ", ".join(f"{r['tok_cpu_s'] / b['tok_cpu_s']:.2f}" for r, b in zip(mine, bases, strict=True))
         loads = ", ".join(f"{a:.1f}-{z:.1f}" for a, z in (r["load"] for r in mine))
-        mine.sort(key=lambda r: r["run"])
         lines.append(f"| {name} | {mine[0]['real']} | {mine[0]['computed']} | {mine[0]['padding']:.3f} | "
-                     f"{mine[0]['steps']} | {statistics.median(r['tok_s'] for r in mine):.1f} | "
-                     f"{', '.join(f'{x:.2f}' for x in ratios)} | {loads} |")
+                     f"{mine[0]['steps']} | {statistics.median(r['tok_s'] for r in mine):.1f} | {wall} | "
+                     f"{statistics.median(r['tok_cpu_s'] for r in mine):.1f} | {cpu} | {loads} |")
     return "\n".join(lines)
 
 
