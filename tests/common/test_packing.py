@@ -184,7 +184,7 @@ def test_attention_cannot_cross_rows_in_a_packed_sequence():
     assert torch.allclose(before[6:], solo, atol=1e-5, rtol=0)
 
 
-def test_the_packing_probe_accepts_llama_and_its_peft_wrapper_and_refuses_a_model_that_leaks():
+def test_the_packing_probe_accepts_llama_and_its_peft_wrapper_and_refuses_a_model_that_leaks(tmp_path):
     import peft
 
     model = tiny_llama()
@@ -202,6 +202,19 @@ def test_the_packing_probe_accepts_llama_and_its_peft_wrapper_and_refuses_a_mode
             return self.inner(input_ids=input_ids, **kw)
 
     assert not keeps_rows_apart(Leaky(model), "cpu")
+    # the train stage refuses such a model before its first step
+    import logging
+
+    from stages.engine.errors import ConfigError
+    from stages.engine.schema import TrainConfig
+    from stages.train import train_model
+
+    seqs, _ = packed_rows(rows_of([6, 5, 4]))
+    with pytest.raises(ConfigError, match=r"^tokenize.packing: this model \(Leaky\) lets packed rows attend to "
+                       r"each other .*; set tokenize.packing: false$"):
+        train_model(Leaky(model), seqs, None, TrainConfig(max_steps=1), "causal_lm", PAD, tmp_path / "out",
+                    tmp_path / "work", logging.getLogger("test.packing"))
+    assert not (tmp_path / "work" / "checkpoints").exists()
 
 
 def test_with_the_configs_cache_on_transformers_sees_no_packing():
