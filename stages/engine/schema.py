@@ -430,6 +430,13 @@ class PipelineConfig(BaseModel):
                              f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
         return self
 
+    @model_validator(mode="after")
+    def _packed_train_split_is_not_evaluated(self) -> PipelineConfig:
+        if self.tokenize.packing and "train" in self.evaluate.splits:
+            raise ValueError("evaluate.splits: the train split is packed (tokenize.packing: true), its rows are "
+                             "not evaluated one by one; evaluate validation or test, or set tokenize.packing: false")
+        return self
+
     def overrides_within(self, reads: Iterable[str]) -> list[str]:
         """The `--set` overrides that set a keyed (not runtime) field under one of the dotted paths `reads`:
         what a stage that reads `overrides` sees and is keyed on."""
