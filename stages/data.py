@@ -295,6 +295,14 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
         return [chats.alpaca(a, b, c, row_place(path, split, i))
                 for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
+    if d.format == "conversation":
+        turns = d.conversation or {}
+        unknown = sorted(chats.fields_of(turns) - set(map(str, df.columns)))
+        if unknown:
+            raise ConfigError(f"data.conversation: {{{unknown[0]}}} is not a column of {path or split + ' split'} "
+                              f"(columns: {', '.join(map(str, df.columns))}); write one of those in braces")
+        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i))
+                for i, row in enumerate(df.to_dict("records"))]
     if d.messages_column not in df.columns:
         raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
                                 f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "

@@ -22,9 +22,11 @@ this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +36,10 @@ from stages.common.compat.bitsandbytes import exact_cpu_kernels
 from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer
 from stages.common.inference import device_for
-from stages.common.model_loading import load_trained
-from stages.common.tasks import task_of
+from stages.common.model_loading import load_model, load_trained
+from stages.common.tasks import Task, task_of
 from stages.engine.errors import MissingInputError
+from stages.engine.schema import EvaluateConfig
 from stages.engine.stage import StageContext
 
 if TYPE_CHECKING:
@@ -79,6 +82,48 @@ def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
             "prediction_id": prediction, "reference_id": reference}
 
 
+@contextlib.contextmanager
+def untuned(model: HFModel, model_dir: Path) -> Iterator[HFModel]:
+    """The model before training (evaluate.baseline): LoRA's adapters switched off (their new heads and
+    modules_to_save as initialised), or a full finetune's base as the model stage saved it."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield model
+    else:
+        base = load_model(model_dir).eval()
+        exact_cpu_kernels(base)
+        yield base
+
+
+def evaluate_splits(model: HFModel, ds: Any, *, tok: Any, gen: dict[str, Any], scores: list[str], e: EvaluateConfig,
+                    names: list[str] | None, task: Task, device: Any, data_dir: Path, out: Path, label: str,
+                    logger: logging.Logger) -> dict[str, Any]:
+    """{split: metrics} of `model` on evaluate.splits, its predictions written to `out` (one line each)."""
+    results: dict[str, Any] = {}
+    with open(out, "w") as f:
+        for split in e.splits:
+            part = ds[split]
+            if e.max_examples:
+                part = part.select(range(min(e.max_examples, len(part))))
+            rows = part.to_dict()
+            ids = [str(x) for x in rows["id"]]
+            results[split], preds, refs = task.evaluate(
+                model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
+                desc=f"{label} {split}", log=log, targets=functools.partial(references, data_dir, split, ids))
+            if preds is None:  # nothing predicted (a causal LM without targets: perplexity)
+                continue
+            for i, p, r in zip(ids, preds, refs, strict=True):
+                f.write(json.dumps(prediction_record(split, i, p, r, names)) + "\n")
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
+                     if k != "confusion_matrix"}
+            logger.info("%s %s: %s", label, split, shown)
+            for i, p, r in list(zip(ids, preds, refs, strict=True))[:e.log_examples]:
+                rec = prediction_record(split, i, p, r, names)
+                logger.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
+                            str(rec["reference"])[:200])
+    return results
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
 
@@ -98,30 +143,21 @@ def run(ctx: StageContext) -> dict[str, Any]:
     scores = metrics.metric_names(e.metrics, task)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
-    results: dict[str, Any] = {}
-    with open(ctx.out_dir / "predictions.jsonl", "w") as out, autocast(precision, device):
-        for split in e.splits:
-            part = ds[split]
-            if e.max_examples:
-                part = part.select(range(min(e.max_examples, len(part))))
-            rows = part.to_dict()
-            ids = [str(x) for x in rows["id"]]
-            results[split], preds, refs = task.evaluate(
-                model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
-                desc=f"evaluate {split}", log=log,
-                targets=functools.partial(references, ctx.upstream["data"], split, ids))
-            if preds is None:  # nothing predicted (a causal LM without targets: perplexity)
-                continue
-            for i, p, r in zip(ids, preds, refs, strict=True):
-                out.write(json.dumps(prediction_record(split, i, p, r, names)) + "\n")
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
-                     if k != "confusion_matrix"}
-            ctx.log.info("evaluate %s: %s", split, shown)
-            for i, p, r in list(zip(ids, preds, refs, strict=True))[:e.log_examples]:
-                rec = prediction_record(split, i, p, r, names)
-                ctx.log.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
-                             str(rec["reference"])[:200])
+    def evaluated(which: Any, file: str, label: str) -> dict[str, Any]:
+        return evaluate_splits(which, ds, tok=tok, gen=gen, scores=scores, e=e, names=names, task=task,
+                               device=device, data_dir=ctx.upstream["data"], out=ctx.out_dir / file,
+                               label=label, logger=ctx.log)
+
+    with autocast(precision, device):
+        results = evaluated(model, "predictions.jsonl", "evaluate")
+        baseline = None
+        if e.baseline:  # the untuned model on the same rows, with the same settings
+            with untuned(model, ctx.upstream["model"]) as base:
+                baseline = evaluated(base, "baseline_predictions.jsonl", "baseline")
     (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
-    return {"task": task.name, "splits": results, **({"label_names": names} if names else {}),
+    if baseline is not None:
+        (ctx.out_dir / "baseline_metrics.json").write_text(json.dumps(baseline, indent=2, sort_keys=True))
+    extra = {"baseline": baseline} if baseline is not None else {}
+    return {"task": task.name, "splits": results, **extra, **({"label_names": names} if names else {}),
             "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

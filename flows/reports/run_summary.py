@@ -101,6 +101,11 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
         else:
             shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
             lines.append(f"  {split}: {shown}")
+    for split, m in (metric("evaluate").get("baseline") or {}).items():  # evaluate.baseline: untuned vs tuned
+        tuned = ev.get(split, {})
+        pairs = [f"{k} {v:.4f} -> {tuned[k]:.4f}" for k, v in m.items()
+                 if isinstance(v, float) and isinstance(tuned.get(k), float) and not k.startswith("generated")]
+        lines.append(f"  {split}, untuned -> tuned: {', '.join(pairs)}")
     mm, am, tm = metric("model"), metric("adapters"), metric("train")
     if mm:
         lines.append(f"  model: {cfg.model.name} ({mm.get('model_class')}, quantization {mm.get('quantization')}), "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -104,3 +105,26 @@ def looks_structured(value: Any) -> bool:
     if hasattr(value, "tolist") and not isinstance(value, str | bytes):
         return True
     return isinstance(value, list | dict | tuple)
+
+
+def fields_of(turns: Mapping[str, str]) -> set[str]:
+    """The {fields} data.conversation's format strings read."""
+    return {f for text in turns.values() for _, f, _, _ in string.Formatter().parse(text) if f}
+
+
+def from_columns(row: Mapping[str, Any], turns: Mapping[str, str], label_names: list[str] | None,
+                 where: str) -> list[dict[str, str]]:
+    """A row's conversation from data.conversation's format strings ({label}: its class name when the data
+    names its classes)."""
+    values = {k: _text(v) for k, v in row.items()}
+    if label_names and "label" in row:
+        try:
+            values["label"] = label_names[int(row["label"])]
+        except (ValueError, IndexError, TypeError):
+            raise DataError(f"{where}, field 'label': {row['label']!r} is not a class id of data.label_names "
+                            f"{label_names}; give labels 0..{len(label_names) - 1}") from None
+    out = [{"role": role, "content": turns[role].format_map(values)}
+           for role in ("system", "user", "assistant") if role in turns]
+    if not out[-1]["content"].strip():
+        raise DataError(f"{where}, field 'assistant': empty; every row needs an answer")
+    return out

@@ -2,7 +2,8 @@
 each by name or path, and `compute` runs them.
 
 The project ships its own offline modules (stages/common/metric_modules: accuracy, f1 = macro-F1, rouge =
-ROUGE-1/2/L/Lsum with `rouge_score`), loaded by path, so nothing is fetched: `evaluate.load("rouge")` would
+ROUGE-1/2/L/Lsum with `rouge_score`, exact_match = a short
+answer's first words against the reference), loaded by path, so nothing is fetched: `evaluate.load("rouge")` would
 fetch the hub's script and fails offline, and its aggregator reports a bootstrap "mid" instead of the plain
 mean. A path names a local `evaluate` module (a folder holding NAME.py, or the .py file); any other name
 is an `evaluate` module on the Hugging Face hub, loaded only when the hub answers. The files of the shipped
@@ -23,11 +24,11 @@ from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.parallel import n_jobs
 
 MODULES_DIR = Path(__file__).resolve().parent / "metric_modules"
-SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts"}  # what each scores: class ids or texts
+SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts", "exact_match": "texts"}  # what each scores: class ids or texts
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 # the module that computes each validation metric during training (schema.VALIDATION_METRICS; loss and
 # accuracy are counted by the validation pass itself)
-VALIDATION_MODULES = {"macro_f1": "f1", **{r: "rouge" for r in ROUGE_TYPES}}
+VALIDATION_MODULES = {"macro_f1": "f1", "exact_match": "exact_match", **{r: "rouge" for r in ROUGE_TYPES}}
 PARALLEL_MIN_PAIRS = 500  # fewer ROUGE pairs are scored in this process (starting workers costs ~1 s)
 
 

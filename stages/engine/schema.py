@@ -111,12 +111,13 @@ class DataConfig(Section):
                                           "export card and predictions.jsonl carry them.")
     target_column: str | None = Field(None, description="seq2seq / causal_lm: column of the target text; default "
                                       "`summary` for billsum")
-    format: Literal["columns", "alpaca", "messages"] = Field(
+    format: Literal["columns", "alpaca", "messages", "conversation"] = Field(
         "columns", description="how a row holds its example. columns: text_column (+ label_column or "
         "target_column: prompt/completion). alpaca: `instruction`, optional `input` and `output` columns, "
         "asked and answered as one user and one assistant turn. messages (causal_lm): messages_column holds "
         "a conversation, a list of {role, content} turns (system / user / assistant, multi-turn), rendered with "
-        "the chat template (docs/chat.md)")
+        "the chat template (docs/chat.md). conversation (causal_lm): each row's turns written from its columns by "
+        "data.conversation")
     messages_column: str = Field("messages", description="messages: the column holding each row's conversation")
     message_fields: dict[str, str] = Field(
         default_factory=lambda: {"role": "role", "content": "content"},
@@ -129,6 +130,18 @@ class DataConfig(Section):
         if set(v) - {"role", "content"}:
             raise ValueError(f"keys {sorted(set(v) - {'role', 'content'})}: only role and content can be mapped")
         return {"role": "role", "content": "content", **v}
+
+    conversation: dict[Literal["system", "user", "assistant"], str] | None = Field(
+        None, description="conversation: the turns of a row as Python format strings over its columns, e.g. "
+        "{user: \"{text}\\n\\nPositive or negative?\", assistant: \"{label}\"}; {label} is the class name "
+        "(data.label_names[label]) when label_names are given. user and assistant are required, system optional")
+
+    @model_validator(mode="after")
+    def _conversation_turns(self) -> DataConfig:
+        if self.format == "conversation" and not (self.conversation and {"user", "assistant"} <= set(self.conversation)):
+            raise ValueError("data.format conversation: set data.conversation with at least user and assistant, "
+                             "e.g. {user: \"{text}\", assistant: \"{label}\"}")
+        return self
 
     roles: dict[str, Literal["system", "user", "assistant"]] = Field(
         default_factory=dict, description="messages: other role names mapped to system / user / assistant "
@@ -236,15 +249,15 @@ class AdaptersConfig(Section):
 # What validation during training computes, per model.task: val_<name> for each (loss: mean per row or target
 # token; the others by the evaluate stage's metric modules, stages/common/metrics.py). Lower is better for loss.
 VALIDATION_METRICS = {"seq_cls": ("loss", "accuracy", "macro_f1"),
-                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum"),
-                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum")}
+                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match"),
+                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match")}
 LOWER_IS_BETTER = ("loss",)
 
 
 class SelectBest(Section):
     metric: str = Field(..., pattern=r"^val_\w+$", description="validation metric to select on, val_<name>: "
                         "val_loss (mean per row or target token); seq_cls: val_accuracy, val_macro_f1; seq2seq / "
-                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum (greedy generation of the "
+                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match (greedy generation of the "
                         "validation rows, up to tokenize.max_target_length tokens). Checked against model.task "
                         "when the config loads")
     mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
@@ -372,11 +385,16 @@ class EvaluateConfig(Section):
     length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
     log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
     metrics: list[str] | None = Field(None, min_length=1, description="`evaluate` metric modules, each by name or "
-                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum) are the project's "
-                                      "offline modules (stages/common/metric_modules); a path is a local `evaluate` "
+                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum), exact_match (a "
+                                      "short answer's first words equal the reference, both normalised) are the "
+                                      "project's offline modules (stages/common/metric_modules); a path is a local `evaluate` "
                                       "module (its file's content is in the key); any other name is loaded from "
                                       "the Hugging Face hub (online only). null: the task's: [accuracy, f1] for "
                                       "seq_cls, [rouge] for generation")
+    baseline: bool = Field(False, description="also evaluate the untuned model (LoRA switched off, or a full "
+                           "finetune's base) on the same rows with the same settings: metrics.json's numbers "
+                           "beside the zero-shot ones (baseline_metrics.json, baseline_predictions.jsonl), in the "
+                           "summary as baseline vs tuned")
 
 
 class ExportConfig(Section):
