@@ -107,12 +107,12 @@ def looks_structured(value: Any) -> bool:
     return isinstance(value, list | dict | tuple)
 
 
-def fields_of(turns: Mapping[str, str]) -> set[str]:
+def fields_of(turns: Mapping[Any, str]) -> set[str]:
     """The {fields} data.conversation's format strings read."""
     return {f for text in turns.values() for _, f, _, _ in string.Formatter().parse(text) if f}
 
 
-def from_columns(row: Mapping[str, Any], turns: Mapping[str, str], label_names: list[str] | None,
+def from_columns(row: Mapping[str, Any], turns: Mapping[Any, str], label_names: list[str] | None,
                  where: str) -> list[dict[str, str]]:
     """A row's conversation from data.conversation's format strings ({label}: its class name when the data
     names its classes)."""

@@ -8,15 +8,23 @@ import json
 
 import pytest
 from helpers import run_pipeline
-from test_chat import RENDERED, SMOLLM2, TINY_LLAMA, data_cfg, frames, pipeline_file, render, tok, trained, write_jsonl  # noqa: F401
+from test_chat import SMOLLM2, data_cfg, frames, pipeline_file, render, trained, write_jsonl
 
 from stages.common import metrics
+from stages.common.hf import load_tokenizer
 from stages.data import normalise
 from stages.engine.errors import ConfigError
+from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
 
 QUESTION = "{text}\n\nIs this movie review positive or negative? Answer with one word."
 TURNS = {"system": "Be brief.", "user": QUESTION, "assistant": "{label}"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
+                                                                                 "task": "causal_lm"}}))
 
 
 def test_a_labelled_row_becomes_a_conversation_rendered_and_masked(tok):
