@@ -88,7 +88,7 @@ def load(name: str) -> Any:
 
     path = module_path(name)
     if path is None:
-        ensure_hub_reachable(f"evaluate.metrics {name}", "list the project's offline modules (accuracy, f1, rouge) "
+        ensure_hub_reachable(f"evaluate.metrics {name}", "list the project's offline modules (accuracy, f1, rouge, exact_match) "
                              "or the path of a local `evaluate` module")
         return evaluate.load(name, keep_in_memory=True)
     return evaluate.load(str(path), keep_in_memory=True)
