@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import LabelColumn, columns, header, label_column, read_table
+from stages.common.tables import LabelColumn, columns, label_column, read_table
 from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so plann
 
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
-HUB_COLUMNS = {"imdb": ("text", "label"), "billsum": ("text", "summary", "title")}
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
@@ -247,7 +246,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
     labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
     they use. A count that contradicts the names is a ConfigError naming both."""
     if not data_of(cfg.model.task).classifies:
-        return _conversation_label_names(cfg)
+        return cfg
     names, n = cfg.data.label_names, cfg.model.num_labels
     if names is None:
         names, top = found_labels(cfg)
@@ -272,24 +271,6 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
                                   "model": cfg.model.model_copy(update={"num_labels": n})})
 
 
-def _conversation_label_names(cfg: PipelineConfig) -> PipelineConfig:
-    """A data.conversation that names the label column: `data.label_names` from the data when left null
-    (IMDB: neg/pos), so `{label}` is a class name and the data key holds the names."""
-    d = cfg.data
-    if d.conversation is None or d.label_names is not None or d.label_column not in d.conversation.fields():
-        return cfg
-    names, _ = found_labels(cfg)
-    return cfg if names is None else cfg.model_copy(update={"data": d.model_copy(update={"label_names": names})})
-
-
-def label_texts(values: pd.Series, names: list[str] | None, split: str) -> list[str]:
-    """A label column as the text a conversation shows: the class name of each id (or name) by
-    `names`; the values as text when there are no names."""
-    if names is None:
-        return [chats._text(v) for v in values]
-    return [names[i] for i in label_ids(values, names, len(names), split)]
-
-
 # ------------------------------------------------------------------ shaping
 
 
@@ -304,17 +285,7 @@ def row_place(path: Path | None, split: str, row: int) -> str:
 
 
 def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
-    """Each row's conversation (data.format messages, alpaca or conversation), checked (DataError naming
-    file, row, field)."""
-    if d.format == "conversation":
-        assert d.conversation is not None  # DataConfig checks
-        fields = d.conversation.fields()
-        check_fields(fields, [str(c) for c in df.columns], str(path or split + " split"))
-        values = {f: label_texts(df[f], d.label_names, split) if f == d.label_column else df[f].tolist()
-                  for f in fields}
-        t = d.conversation
-        return [chats.from_columns({f: values[f][i] for f in fields}, t.system, t.user, t.assistant,
-                                   row_place(path, split, i)) for i in range(len(df))]
+    """Each row's conversation (data.format messages or alpaca), checked (DataError naming file, row, field)."""
     if d.format == "alpaca":
         missing = [c for c in ("instruction", "output") if c not in df.columns]
         if missing:
@@ -324,20 +295,20 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
         return [chats.alpaca(a, b, c, row_place(path, split, i))
                 for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
+    if d.format == "conversation":
+        turns = d.conversation or {}
+        unknown = sorted(chats.fields_of(turns) - set(map(str, df.columns)))
+        if unknown:
+            raise ConfigError(f"data.conversation: {{{unknown[0]}}} is not a column of {path or split + ' split'} "
+                              f"(columns: {', '.join(map(str, df.columns))}); write one of those in braces")
+        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i))
+                for i, row in enumerate(df.to_dict("records"))]
     if d.messages_column not in df.columns:
         raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
                                 f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "
                                 f"holding the conversations")
     return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
             for i, v in enumerate(df[d.messages_column])]
-
-
-def check_fields(fields: list[str], columns_: list[str], where: str) -> None:
-    """Every `{field}` of data.conversation is a column of the data (MissingInputError naming it and them)."""
-    for f in fields:
-        if f not in columns_:
-            raise MissingInputError(f"{where}: data.conversation names {{{f}}}, which is not a column (columns: "
-                                    f"{', '.join(columns_)}); name one of them in data.conversation")
 
 
 def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: DataConfig, split: str,
@@ -442,23 +413,9 @@ def check_rows(cfg: PipelineConfig) -> None:
                           f"model.task causal_lm, not {cfg.model.task}; set model.task: causal_lm or "
                           f"data.format: columns")
     if not (d.source == "local" or d.path):
-        if d.conversation is not None:
-            files = mirror_files(d)
-            if files:
-                for f in files:
-                    check_fields(d.conversation.fields(), list(header(str(f), *_version(f))), str(f))
-            elif d.hub_id is None:
-                check_fields(d.conversation.fields(), list(HUB_COLUMNS[d.source]), f"{d.source} (hub)")
         return
-    if _local_label_files(d) is None and d.conversation is not None:  # aclImdb
-        check_fields(d.conversation.fields(), ["id", "text", "label"], str(local_path(d.path)))
     for f in _local_label_files(d) or []:
         _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
-
-
-def _version(f: Path) -> tuple[int, int]:
-    st = f.stat()
-    return st.st_size, st.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=32)

@@ -16,9 +16,7 @@ stages/common/inference.py, which `flows.predict` shares; predictions are writte
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
 prediction, reference; a classifier's as class names when the data names them, with prediction_id and
-reference_id). `evaluate.baseline` also evaluates the untuned model (LoRA: adapters disabled; a full
-finetune: the model stage's weights) on the same rows with the same settings: metrics.json's `baseline`
-({split: metrics}), each prediction's `baseline` field. The `evaluate` section is its own config section, so changing it reruns only
+reference_id). The `evaluate` section is its own config section, so changing it reruns only
 this stage; `--only evaluate` / `--force evaluate` run it alone from the store.
 """
 
@@ -39,8 +37,9 @@ from stages.common.device import autocast, resolve_precision
 from stages.common.hf import load_tokenizer
 from stages.common.inference import device_for
 from stages.common.model_loading import load_model, load_trained
-from stages.common.tasks import task_of
+from stages.common.tasks import Task, task_of
 from stages.engine.errors import MissingInputError
+from stages.engine.schema import EvaluateConfig
 from stages.engine.stage import StageContext
 
 if TYPE_CHECKING:
@@ -84,43 +83,45 @@ def prediction_record(split: str, row_id: str, prediction: Any, reference: Any,
 
 
 @contextlib.contextmanager
-def untuned(lora: HFModel | None, model_dir: Path) -> Iterator[HFModel]:
-    """The model before tuning, for evaluate.baseline: the trained LoRA model `lora` with its adapters
-    disabled (PEFT's disable_adapter, modules_to_save included); without one (a full finetune), the model
-    stage's weights loaded anew."""
-    if lora is not None:
-        with lora.disable_adapter():  # type: ignore[operator]  # a PeftModel's
-            yield lora
-        return
-    base = load_model(model_dir).eval()
-    exact_cpu_kernels(base)
-    yield base
+def untuned(model: HFModel, model_dir: Path) -> Iterator[HFModel]:
+    """The model before training (evaluate.baseline): LoRA's adapters switched off (their new heads and
+    modules_to_save as initialised), or a full finetune's base as the model stage saved it."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield model
+    else:
+        base = load_model(model_dir).eval()
+        exact_cpu_kernels(base)
+        yield base
 
 
-def evaluate_splits(model: HFModel, ctx: StageContext, ds: Any, tok: Any, gen: dict[str, Any], device: Any,
-                    what: str = "") -> tuple[dict[str, Any], dict[str, tuple[list[str], list[Any], list[Any]]]]:
-    """({split: metrics}, {split: (ids, predictions, references)}) of the model on evaluate.splits; a split
-    without predictions (perplexity) has metrics only."""
-    e, task = ctx.cfg.evaluate, task_of(ctx.cfg.model.task)
-    scores = metrics.metric_names(e.metrics, task)
+def evaluate_splits(model: HFModel, ds: Any, *, tok: Any, gen: dict[str, Any], scores: list[str], e: EvaluateConfig,
+                    names: list[str] | None, task: Task, device: Any, data_dir: Path, out: Path, label: str,
+                    logger: logging.Logger) -> dict[str, Any]:
+    """{split: metrics} of `model` on evaluate.splits, its predictions written to `out` (one line each)."""
     results: dict[str, Any] = {}
-    predicted: dict[str, tuple[list[str], list[Any], list[Any]]] = {}
-    for split in e.splits:
-        part = ds[split]
-        if e.max_examples:
-            part = part.select(range(min(e.max_examples, len(part))))
-        rows = part.to_dict()
-        ids = [str(x) for x in rows["id"]]
-        results[split], preds, refs = task.evaluate(
-            model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
-            desc=f"evaluate {what}{split}", log=log,
-            targets=functools.partial(references, ctx.upstream["data"], split, ids))
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
-                 if k != "confusion_matrix"}
-        ctx.log.info("evaluate %s%s: %s", what, split, shown)
-        if preds is not None:  # nothing predicted (a causal LM without targets: perplexity)
-            predicted[split] = (ids, preds, refs)
-    return results, predicted
+    with open(out, "w") as f:
+        for split in e.splits:
+            part = ds[split]
+            if e.max_examples:
+                part = part.select(range(min(e.max_examples, len(part))))
+            rows = part.to_dict()
+            ids = [str(x) for x in rows["id"]]
+            results[split], preds, refs = task.evaluate(
+                model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
+                desc=f"{label} {split}", log=log, targets=functools.partial(references, data_dir, split, ids))
+            if preds is None:  # nothing predicted (a causal LM without targets: perplexity)
+                continue
+            for i, p, r in zip(ids, preds, refs, strict=True):
+                f.write(json.dumps(prediction_record(split, i, p, r, names)) + "\n")
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in results[split].items()
+                     if k != "confusion_matrix"}
+            logger.info("%s %s: %s", label, split, shown)
+            for i, p, r in list(zip(ids, preds, refs, strict=True))[:e.log_examples]:
+                rec = prediction_record(split, i, p, r, names)
+                logger.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
+                            str(rec["reference"])[:200])
+    return results
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -139,31 +140,24 @@ def run(ctx: StageContext) -> dict[str, Any]:
     precision = resolve_precision(ctx.cfg.train.mixed_precision, device)  # training's, resolved at plan
     ctx.log.info("evaluate: device %s, precision %s (%s)", device, precision.name, precision.reason)
     gen = task.generation(e, tok, model)
+    scores = metrics.metric_names(e.metrics, task)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
-    baseline: dict[str, Any] = {}
-    base_preds: dict[str, tuple[list[str], list[Any], list[Any]]] = {}
+    def evaluated(which: Any, file: str, label: str) -> dict[str, Any]:
+        return evaluate_splits(which, ds, tok=tok, gen=gen, scores=scores, e=e, names=names, task=task,
+                               device=device, data_dir=ctx.upstream["data"], out=ctx.out_dir / file,
+                               label=label, logger=ctx.log)
+
     with autocast(precision, device):
-        results, predicted = evaluate_splits(model, ctx, ds, tok, gen, device)
-        if e.baseline:
-            lora = model if hasattr(model, "peft_config") else None
-            del model  # a full finetune's tuned weights: not kept beside the untuned ones
-            with untuned(lora, ctx.upstream["model"]) as base:
-                baseline, base_preds = evaluate_splits(base, ctx, ds, tok, gen, device, "baseline ")
-    with open(ctx.out_dir / "predictions.jsonl", "w") as out:
-        for split, (ids, preds, refs) in predicted.items():
-            untuned_preds = base_preds[split][1] if split in base_preds else None
-            for j, (i, p, r) in enumerate(zip(ids, preds, refs, strict=True)):
-                rec = prediction_record(split, i, p, r, names)
-                if untuned_preds is not None:
-                    rec["baseline"] = names[untuned_preds[j]] if names is not None else untuned_preds[j]
-                out.write(json.dumps(rec) + "\n")
-                if j < e.log_examples:
-                    ctx.log.info("  %s: predicted %r, reference %r", i, str(rec["prediction"])[:200],
-                                 str(rec["reference"])[:200])
-    (ctx.out_dir / "metrics.json").write_text(json.dumps({**results, **({"baseline": baseline} if baseline else {})},
-                                                         indent=2, sort_keys=True))
-    return {"task": task.name, "splits": results, **({"baseline": baseline} if baseline else {}),
-            **({"label_names": names} if names else {}),
+        results = evaluated(model, "predictions.jsonl", "evaluate")
+        baseline = None
+        if e.baseline:  # the untuned model on the same rows, with the same settings
+            with untuned(model, ctx.upstream["model"]) as base:
+                baseline = evaluated(base, "baseline_predictions.jsonl", "baseline")
+    (ctx.out_dir / "metrics.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    if baseline is not None:
+        (ctx.out_dir / "baseline_metrics.json").write_text(json.dumps(baseline, indent=2, sort_keys=True))
+    extra = {"baseline": baseline} if baseline is not None else {}
+    return {"task": task.name, "splits": results, **extra, **({"label_names": names} if names else {}),
             "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

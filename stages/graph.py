@@ -11,6 +11,7 @@ from stages import data
 from stages.common import chat, distributed
 from stages.common.hf import model_deps, model_input_files, tokenizer_deps, tokenizer_files
 from stages.common.metrics import metric_files, validation_metric_files
+from stages.common.packing import check_packing
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.common.tasks import task_of
 from stages.common.train_checks import check_config
@@ -38,6 +39,7 @@ GRAPH = Graph([
                "model.trust_remote_code"),
         upstream=("data",),
         inputs=lambda cfg: tokenizer_files(cfg) + chat.template_files(cfg),  # a chat template file: its content
+        check=check_packing,  # tokenize.packing for a task that packs
         deps=tokenizer_deps,
         hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
                 "hub answers",

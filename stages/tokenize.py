@@ -6,6 +6,14 @@ causal_lm prompt + target: the prompt's head is cut); each row's labels are its 
 class ids, target ids, or prompt + target). Conversations are rendered with the chat template
 (stages/common/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
 truncated, over what max_length cuts: causal_lm prompt + target).
+
+Packing (tokenize.packing, causal_lm): the train split's rows, each already cut to max_length with its own
+labels, are packed into sequences of up to max_length tokens by best-fit decreasing (stages/common/packing.py:
+deterministic, and TRL's strategy, so bench/sft.py compares like with like). A packed row's `id` lists its rows'
+ids, `position_ids` restart at 0 per row (the train step gives the model these and no attention mask: a
+block-diagonal causal mask), each row's first token carries no label (the row before never predicts it) and
+`length` is the packed length. Validation and test stay one row per sequence. The manifest's `packing`: rows
+in, sequences out, fill = real tokens / (sequences x max_length).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import numpy as np
 from stages.common import chat
 from stages.common.arrow import read_split
 from stages.common.hf import load_tokenizer
+from stages.common.packing import pack_rows
 from stages.common.tasks import TokenRows, task_of
 from stages.common.tokens import bare_ids
 from stages.engine.stage import StageContext
@@ -49,6 +58,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     data_dir = ctx.upstream["data"]
     splits = [s for s in ("train", "validation", "test") if (data_dir / f"{s}.arrow").exists()]
     template = None
+    packing: dict[str, Any] | None = None
     out, stats = {}, {}
     for name in splits:
         table = read_split(data_dir, name)
@@ -68,6 +78,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         stats[name] = {"input": length_stats(rows.lengths, t.max_length)}
         if rows.target_lengths is not None:
             stats[name]["target"] = length_stats(rows.target_lengths, t.max_target_length)
+        if t.packing and name == "train":  # rows -> sequences of up to max_length (stages/common/packing.py)
+            packed = pack_rows(rows.input_ids, rows.labels, t.max_length)
+            cols = {"id": [[cols["id"][r] for r in seq] for seq in packed.rows], "labels": packed.labels,
+                    "input_ids": packed.input_ids, "position_ids": packed.position_ids,
+                    "length": [len(x) for x in packed.input_ids]}
+            packing = packed.stats(t.max_length)
         # a fixed fingerprint keeps save_to_disk byte-identical across reruns
         out[name] = datasets.Dataset(InMemoryTable(pa.table(cols)), fingerprint=f"tokenized-{name}")
     datasets.disable_progress_bars()
@@ -77,6 +93,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     tok.save_pretrained(str(ctx.out_dir / "tokenizer"))
     ctx.log.info("tokenize: %s", {k: v["input"]["mean"] for k, v in stats.items()})
     manifest: dict[str, Any] = {"tokenizer": type(tok).__name__, "vocab_size": len(tok), "lengths": stats}
+    if packing is not None:
+        manifest["packing"] = packing
+        ctx.log.info("tokenize: packed %d train rows into %d sequences of up to %d tokens (fill %.1f%%)",
+                     packing["rows"], packing["sequences"], t.max_length, 100 * packing["fill"])
     if template is not None:
         manifest["chat"] = {"template_sha256": hashlib.sha256(template.encode()).hexdigest(),
                             "loss_on": "assistant" if t.loss_on == "auto" else t.loss_on}

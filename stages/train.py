@@ -70,10 +70,11 @@ from stages.common.hf import load_tokenizer
 from stages.common.interrupt import DeferredStop, StepAbandoned
 from stages.common.model_loading import count_parameters, load_trainable, save_trained
 from stages.common.optim import OPTIMIZERS, lr_factor
+from stages.common.packing import keeps_rows_apart
 from stages.common.runlog import NoRunLog, RunLog
 from stages.common.tasks import task_of
 from stages.common.train_checks import check_validation
-from stages.engine.errors import MissingInputError
+from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.schema import TrainConfig
 from stages.engine.stage import StageContext
 
@@ -148,6 +149,8 @@ class TrainRun:
         seed_everything(cfg.seed)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.core = self.accelerator.unwrap_model(self.model)  # DDP's module (the model itself in one process)
+        if self.rows.packed:
+            self._check_packing(self.core)
         self.keeper = BestKeeper(cfg.select_best, cfg.early_stopping, self.work_dir / "best")
         self.progress = self._setup_progress(cfg.micro_batch_size)
         self.resumed_from = self.progress.step or None  # a checkpoint's step is >= 1
@@ -170,6 +173,13 @@ class TrainRun:
         if not len(rows):
             raise MissingInputError("train: the train split is empty; check data.subset / data.split")
         return rows
+
+    def _check_packing(self, model: torch.nn.Module) -> None:
+        """Packed rows (tokenize.packing) need a model whose attention keeps them apart given their position
+        ids (stages/common/packing.py); one that does not is refused before the first step."""
+        if not keeps_rows_apart(model, self.device):
+            raise ConfigError(f"tokenize.packing: this model ({type(model).__name__}) lets packed rows attend to "
+                              "each other (its attention does not follow position ids); set tokenize.packing: false")
 
     def _setup_validation(self, val_ds: Any, max_examples: int | None) -> Rows | None:
         """The validation rows (None: none). Planning refused settings that need them where the data config

@@ -41,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # in the --durations profile of issue 27 (two busy cores), by file; every test that uses the worker's Prefect
 # server (below) is slow too. A name here that no longer matches a test is an error, so the list stays true.
 SLOW = {
+    "tests/stages/test_chat_eval.py": ("test_the_baseline_is_the_untuned_model_on_the_same_rows",),
     "tests/common/test_quiet.py": (
         "test_a_pipeline_without_quantization_or_8bit_optimizers_never_imports_bitsandbytes",
     ),

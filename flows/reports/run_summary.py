@@ -94,19 +94,18 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
     lines.append("")
 
     ev = metric("evaluate").get("splits") or {}
-    base = metric("evaluate").get("baseline") or {}
     for split, m in ev.items():
-        if split in base:  # evaluate.baseline: the untuned model on the same rows
-            lines.append(f"  {split}: untuned vs tuned on {m.get('examples')} examples: " + ", ".join(
-                f"{k} {base[split][k]:.4f} -> {v:.4f}" for k, v in m.items()
-                if isinstance(v, float) and not k.startswith("generated_") and isinstance(base[split].get(k), float)))
-            continue
         if "accuracy" in m:
             lines.append(f"  {split} accuracy: {100 * m['accuracy']:.1f}% on {m['examples']} held-out real reviews "
                          f"(macro-F1 {m['macro_f1']:.3f}, confusion [true][pred] {m.get('confusion_matrix')})")
         else:
             shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
             lines.append(f"  {split}: {shown}")
+    for split, m in (metric("evaluate").get("baseline") or {}).items():  # evaluate.baseline: untuned vs tuned
+        tuned = ev.get(split, {})
+        pairs = [f"{k} {v:.4f} -> {tuned[k]:.4f}" for k, v in m.items()
+                 if isinstance(v, float) and isinstance(tuned.get(k), float) and not k.startswith("generated")]
+        lines.append(f"  {split}, untuned -> tuned: {', '.join(pairs)}")
     mm, am, tm = metric("model"), metric("adapters"), metric("train")
     if mm:
         lines.append(f"  model: {cfg.model.name} ({mm.get('model_class')}, quantization {mm.get('quantization')}), "

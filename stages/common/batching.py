@@ -68,10 +68,13 @@ class Batch:
     labels: torch.Tensor
     real_tokens: int  # non-pad input tokens
     padded_tokens: int  # tokens computed, padding included (rows x longest row)
+    # packed rows (tokenize.packing): each row's positions from 0, the padding a block of its own; None unpacked
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Batch:
+        pos = None if self.position_ids is None else self.position_ids.to(device)
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
-                     self.real_tokens, self.padded_tokens)
+                     self.real_tokens, self.padded_tokens, pos)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -85,16 +88,23 @@ class LabelsOf(Protocol):
 
 def collate(rows: list[dict], pad_id: int, task: LabelsOf) -> Batch:
     """Pad a micro-batch to its longest row (right padding); the task makes its labels (class ids, or token
-    ids padded with IGNORE_INDEX)."""
+    ids padded with IGNORE_INDEX). Packed sequences (a position_ids column) keep their position ids, and the
+    padding after them counts 0, 1, ... as a row of its own: causal attention never lets a real token see
+    the padding after it, and the padding's labels are ignored, so padding cannot change the real tokens' loss."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
+    packed = "position_ids" in rows[0]
+    pos = torch.arange(width, dtype=torch.long).repeat(len(rows), 1) if packed else None
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
         mask[i, :n] = 1
+        if pos is not None:
+            pos[i, :n] = torch.as_tensor(r["position_ids"], dtype=torch.long)
+            pos[i, n:] = torch.arange(width - n)
     real = int(mask.sum())
-    return Batch(ids, mask, task.label_tensor(rows), real, ids.numel())
+    return Batch(ids, mask, task.label_tensor(rows), real, ids.numel(), pos)
 
 
 def padding_share(batches: list[list[int]], lengths: Sequence[int], micro_batch: int) -> float:
@@ -119,14 +129,22 @@ class Rows:
             cols = ds.column_names
             self.lengths = list(ds["length"]) if "length" in cols else [len(x) for x in ds["input_ids"]]
 
+    @property
+    def packed(self) -> bool:
+        """Rows packed into sequences by the tokenize stage (tokenize.packing): a position_ids column."""
+        if isinstance(self.ds, list):
+            return bool(self.ds) and "position_ids" in self.ds[0]
+        return "position_ids" in self.ds.column_names
+
     def __len__(self) -> int:
         return len(self.lengths)
 
     def get(self, idx: list[int]) -> list[dict]:
         if isinstance(self.ds, list):
             return [self.ds[i] for i in idx]
+        names = ["input_ids", "labels"] + (["position_ids"] if self.packed else [])
         cols = self.ds[idx]
-        return [{"input_ids": cols["input_ids"][j], "labels": cols["labels"][j]} for j in range(len(idx))]
+        return [{k: cols[k][j] for k in names} for j in range(len(idx))]
 
     def batches(self, idx: list[int], micro: int, pad_id: int, task: LabelsOf) -> list[Batch]:
         return [collate(self.get(mb), pad_id, task) for mb in split_micro(idx, self.lengths, micro)]

@@ -1,5 +1,4 @@
-"""Conversations: a row's chat turns read from its data (data.format messages or alpaca) or built from its
-ordinary columns (data.format conversation: data.conversation's turns with `{column}` fields), checked and
+"""Conversations: a row's chat turns read from its data (data.format messages or alpaca), checked and
 normalised to a list of {role, content} with role system / user / assistant.
 
 The data stage writes them as an Arrow list<struct<role, content>> column `messages`; the tokenize stage
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,19 +92,6 @@ def alpaca(instruction: Any, input_: Any, output: Any, where: str) -> list[dict[
             {"role": "assistant", "content": answer}]
 
 
-def from_columns(row: Mapping[str, Any], system: str | None, user: str, assistant: str,
-                 where: str) -> list[dict[str, str]]:
-    """A row's turns built from its columns: each of system (optional), user and assistant with its
-    `{column}` fields filled from `row` (str.format, so `{{` is a literal brace)."""
-    for name, value in row.items():
-        if looks_structured(value):
-            raise DataError(f"{where}, column '{name}': holds a {type(value).__name__}, not text; name text "
-                            f"columns in data.conversation (a conversation column: data.format messages)")
-    values = {k: _text(v) for k, v in row.items()}
-    turns = [("system", system), ("user", user), ("assistant", assistant)]
-    return [{"role": role, "content": text.format_map(values)} for role, text in turns if text is not None]
-
-
 def last_exchange(turns: list[dict[str, str]]) -> tuple[str, str]:
     """(the user turn before the last assistant turn, that assistant turn): the text and target the
     evaluate stage shows and scores."""
@@ -118,3 +105,26 @@ def looks_structured(value: Any) -> bool:
     if hasattr(value, "tolist") and not isinstance(value, str | bytes):
         return True
     return isinstance(value, list | dict | tuple)
+
+
+def fields_of(turns: Mapping[Any, str]) -> set[str]:
+    """The {fields} data.conversation's format strings read."""
+    return {f for text in turns.values() for _, f, _, _ in string.Formatter().parse(text) if f}
+
+
+def from_columns(row: Mapping[str, Any], turns: Mapping[Any, str], label_names: list[str] | None,
+                 where: str) -> list[dict[str, str]]:
+    """A row's conversation from data.conversation's format strings ({label}: its class name when the data
+    names its classes)."""
+    values = {k: _text(v) for k, v in row.items()}
+    if label_names and "label" in row:
+        try:
+            values["label"] = label_names[int(row["label"])]
+        except (ValueError, IndexError, TypeError):
+            raise DataError(f"{where}, field 'label': {row['label']!r} is not a class id of data.label_names "
+                            f"{label_names}; give labels 0..{len(label_names) - 1}") from None
+    out = [{"role": role, "content": turns[role].format_map(values)}
+           for role in ("system", "user", "assistant") if role in turns]
+    if not out[-1]["content"].strip():
+        raise DataError(f"{where}, field 'assistant': empty; every row needs an answer")
+    return out

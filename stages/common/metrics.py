@@ -2,7 +2,8 @@
 each by name or path, and `compute` runs them.
 
 The project ships its own offline modules (stages/common/metric_modules: accuracy, f1 = macro-F1, rouge =
-ROUGE-1/2/L/Lsum with `rouge_score`, exact_match = a short answer's normalised first words), loaded by path, so nothing is fetched: `evaluate.load("rouge")` would
+ROUGE-1/2/L/Lsum with `rouge_score`, exact_match = a short
+answer's first words against the reference), loaded by path, so nothing is fetched: `evaluate.load("rouge")` would
 fetch the hub's script and fails offline, and its aggregator reports a bootstrap "mid" instead of the plain
 mean. A path names a local `evaluate` module (a folder holding NAME.py, or the .py file); any other name
 is an `evaluate` module on the Hugging Face hub, loaded only when the hub answers. The files of the shipped

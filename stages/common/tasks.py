@@ -108,6 +108,7 @@ class Task:
     generates: ClassVar[bool] = True  # predicts by generation (a generation_config.json ships)
     decoder_only: ClassVar[bool] = False  # prompts padded on the left; the prompt comes back before the answer
     encoder_decoder: ClassVar[bool] = False  # targets run through a decoder of their own length
+    packs: ClassVar[bool] = False  # tokenize.packing may pack its train rows (stages/common/packing.py)
 
     @property
     def auto_peft_class(self) -> str:
@@ -437,6 +438,7 @@ class CausalLM(Generation):
                      [{"role": "system", "content": "Answer in one sentence."},
                       {"role": "user", "content": "Why is the sky blue on a clear day, and red at sunset?"}]]
     decoder_only = True
+    packs = True
 
     def with_targets(self, tok: Any, bare: list[list[int]], bare_targets: list[list[int]],
                      target_ids: list[list[int]], target_lengths: list[int], t: TokenizeConfig) -> TokenRows:
@@ -452,8 +454,13 @@ class CausalLM(Generation):
     def summed_loss(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         import torch.nn.functional as F
 
-        # token t predicts token t+1
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        # token t predicts token t+1. Packed rows (stages/common/packing.py): their position ids and no
+        # attention mask, from which transformers builds a block-diagonal causal mask (only without a cache)
+        if batch.position_ids is None:
+            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        else:
+            out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        logits = out.logits[:, :-1]
         targets = batch.labels[:, 1:]
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")

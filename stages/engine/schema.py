@@ -5,7 +5,6 @@ stages.engine.reference`). Fields made with `runtime(...)` do not change outputs
 
 from __future__ import annotations
 
-import string
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -86,40 +85,6 @@ class SplitConfig(Section):
         return self
 
 
-class ConversationTemplate(Section):
-    system: str | None = Field(None, description="the system turn, `{column}` fields filled from the row; null: "
-                               "none (the chat template may add its own default)")
-    user: str = Field(..., description="the user turn: text with `{column}` fields, each filled from that column "
-                      "of the row (`{label}`: data.label_column's class name, by data.label_names); `{{` and `}}` "
-                      "are literal braces")
-    assistant: str = Field(..., description="the assistant turn, the answer trained on and scored, e.g. "
-                           "\"{label}\"")
-
-    @model_validator(mode="after")
-    def _plain_fields(self) -> ConversationTemplate:
-        for role in ("system", "user", "assistant"):
-            text = getattr(self, role)
-            try:
-                names = [name for _, name, _, _ in string.Formatter().parse(text or "") if name is not None]
-            except ValueError as e:
-                raise ValueError(f"{role}: {e}; write a column as {{column}} and a literal brace as {{{{ or }}}}") \
-                    from None
-            for name in names:
-                if not name or any(c in name for c in ".[]"):
-                    raise ValueError(f"{role}: field {{{name}}} is not a column name; write a column as "
-                                     f"{{column}}")
-        return self
-
-    def fields(self) -> list[str]:
-        """The columns its turns name, in order of first use."""
-        out: list[str] = []
-        for text in (self.system, self.user, self.assistant):
-            for _, name, _, _ in string.Formatter().parse(text or ""):
-                if name and name not in out:
-                    out.append(name)
-        return out
-
-
 class DataConfig(Section):
     source: Literal["imdb", "billsum", "local"] = Field(
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
@@ -139,8 +104,7 @@ class DataConfig(Section):
     label_column: str | None = Field("label", description="seq_cls: column of the class of each row: integer "
                                      "ids 0 .. model.num_labels - 1, or names (strings), which map to ids by "
                                      "data.label_names")
-    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls, and a data.conversation that "
-                                          "names {label_column}: the class names in id order "
+    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls: the class names in id order "
                                           "(id i is label_names[i]). null: derived before the run from the data: "
                                           "neg/pos for IMDB and aclImdb, the sorted distinct names of a string "
                                           "label column, none for integer labels. The model's id2label, the "
@@ -152,8 +116,8 @@ class DataConfig(Section):
         "target_column: prompt/completion). alpaca: `instruction`, optional `input` and `output` columns, "
         "asked and answered as one user and one assistant turn. messages (causal_lm): messages_column holds "
         "a conversation, a list of {role, content} turns (system / user / assistant, multi-turn), rendered with "
-        "the chat template (docs/chat.md). conversation (causal_lm): a conversation built from ordinary columns "
-        "by data.conversation's turns (IMDB's text and label asked and answered as a chat)")
+        "the chat template (docs/chat.md). conversation (causal_lm): each row's turns written from its columns by "
+        "data.conversation")
     messages_column: str = Field("messages", description="messages: the column holding each row's conversation")
     message_fields: dict[str, str] = Field(
         default_factory=lambda: {"role": "role", "content": "content"},
@@ -167,13 +131,21 @@ class DataConfig(Section):
             raise ValueError(f"keys {sorted(set(v) - {'role', 'content'})}: only role and content can be mapped")
         return {"role": "role", "content": "content", **v}
 
+    conversation: dict[Literal["system", "user", "assistant"], str] | None = Field(
+        None, description="conversation: the turns of a row as Python format strings over its columns, e.g. "
+        "{user: \"{text}\\n\\nPositive or negative?\", assistant: \"{label}\"}; {label} is the class name "
+        "(data.label_names[label]) when label_names are given. user and assistant are required, system optional")
+
+    @model_validator(mode="after")
+    def _conversation_turns(self) -> DataConfig:
+        if self.format == "conversation" and not (self.conversation and {"user", "assistant"} <= set(self.conversation)):
+            raise ValueError("data.format conversation: set data.conversation with at least user and assistant, "
+                             "e.g. {user: \"{text}\", assistant: \"{label}\"}")
+        return self
+
     roles: dict[str, Literal["system", "user", "assistant"]] = Field(
         default_factory=dict, description="messages: other role names mapped to system / user / assistant "
         "(ShareGPT: {human: user, gpt: assistant})")
-    conversation: ConversationTemplate | None = Field(
-        None, description="format conversation: the system (optional), user and assistant turns of each row, "
-        "`{column}` fields filled from the row's columns, e.g. {user: \"{text}\\n\\nPositive or negative?\", "
-        "assistant: \"{label}\"}")
     split: SplitConfig = Field(SplitConfig(), description="how train / validation / test are made (see data.split.*)")
     subset: dict[Literal["train", "validation", "test"], int] | None = Field(
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
@@ -184,9 +156,6 @@ class DataConfig(Section):
             raise ValueError("source 'local' needs data.path (a CSV/JSONL/Parquet file or folder)")
         if self.subset and any(v < 1 for v in self.subset.values()):
             raise ValueError("subset sizes must be >= 1")
-        if (self.format == "conversation") != (self.conversation is not None):
-            raise ValueError("format conversation builds each row's turns from data.conversation: set both "
-                             "(e.g. conversation: {user: \"{text}\", assistant: \"{label}\"}) or neither")
         return self
 
 
@@ -415,17 +384,17 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1, description="generation limit per example")
     length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
     log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
-    baseline: bool = Field(False, description="also evaluate the untuned model on the same rows with the same "
-                           "settings (LoRA: the trained model with its adapters disabled; a full finetune: the "
-                           "model stage's weights): metrics.json's `baseline`, predictions.jsonl's `baseline` "
-                           "field, and `finetune summary` shows untuned vs tuned")
     metrics: list[str] | None = Field(None, min_length=1, description="`evaluate` metric modules, each by name or "
-                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum), exact_match (a short "
-                                      "answer's normalised first words against the reference) are the project's "
-                                      "offline modules (stages/common/metric_modules); a path is a local `evaluate` "
+                                      "path: accuracy, f1 (macro-F1), rouge (ROUGE-1/2/L/Lsum), exact_match (a "
+                                      "short answer's first words equal the reference, both normalised) are the "
+                                      "project's offline modules (stages/common/metric_modules); a path is a local `evaluate` "
                                       "module (its file's content is in the key); any other name is loaded from "
                                       "the Hugging Face hub (online only). null: the task's: [accuracy, f1] for "
                                       "seq_cls, [rouge] for generation")
+    baseline: bool = Field(False, description="also evaluate the untuned model (LoRA switched off, or a full "
+                           "finetune's base) on the same rows with the same settings: metrics.json's numbers "
+                           "beside the zero-shot ones (baseline_metrics.json, baseline_predictions.jsonl), in the "
+                           "summary as baseline vs tuned")
 
 
 class ExportConfig(Section):
@@ -477,6 +446,13 @@ class PipelineConfig(BaseModel):
         if sb is not None and sb.metric.removeprefix("val_") not in names:
             raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
                              f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_train_split_is_not_evaluated(self) -> PipelineConfig:
+        if self.tokenize.packing and "train" in self.evaluate.splits:
+            raise ValueError("evaluate.splits: the train split is packed (tokenize.packing: true), its rows are "
+                             "not evaluated one by one; evaluate validation or test, or set tokenize.packing: false")
         return self
 
     def overrides_within(self, reads: Iterable[str]) -> list[str]:

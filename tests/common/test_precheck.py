@@ -44,7 +44,7 @@ PLAN_ERRORS = [
      "set), and not in its local cache; set tokenize.tokenizer (or model.name) to a local folder or "
      "pkg:PACKAGE/PATH, or run where the hub answers"),
     (["flows.finetune", "tiny-imdb", "--set", "evaluate.metrics=[acuracy]"], {},
-     "error: evaluate.metrics acuracy: not one of the project's offline modules (accuracy, f1, rouge) nor a local "
+     "error: evaluate.metrics acuracy: not one of the project's offline modules (accuracy, f1, rouge, exact_match) nor a local "
      "path, and the hub that would serve it does not answer; did you mean accuracy? list offline modules or the "
      "path of a local `evaluate` module"),
     (["flows.finetune", "tiny-imdb", "--set", "train.select_best={metric: val_rougeL}"], {},

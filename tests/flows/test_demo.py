@@ -86,18 +86,6 @@ def test_the_summary_says_what_ran_and_what_the_export_holds():
     assert summary.export_contents({"method": "full", "format": "merged"}) == "finetuned model + model card"
 
 
-def test_the_summary_shows_the_untuned_baseline_beside_the_tuned_scores():
-    cfg = load_pipeline("demo")
-    tuned = {"examples": 256, "exact_match": 0.875, "rouge1": 0.9, "generated_tokens_mean": 2.0}
-    untuned = {"examples": 256, "exact_match": 0.5, "rouge1": 0.6, "generated_tokens_mean": 4.0}
-    row = {"stage": "evaluate", "key": "k" * 64, "path": "/store/evaluate", "present": True, "status": "computed",
-           "event_time": None, "duration_s": 2.0,
-           "manifest": {"metrics": {"splits": {"test": tuned}, "baseline": {"test": untuned}}}}
-    text = summary.render(cfg, [row], ran=True)
-    assert "test: untuned vs tuned on 256 examples: exact_match 0.5000 -> 0.8750, rouge1 0.6000 -> 0.9000" in text
-    assert "generated_tokens" not in text
-
-
 def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):
     out = helpers.run("demo-4bit", *TINY, until="adapters")
     layers = out["model"].manifest["metrics"]["layers_by_type"]

@@ -295,26 +295,6 @@ class ExactMatch(evaluate.Metric):
 '''
 
 
-def test_exact_match_compares_a_normalised_answer_with_the_first_words_of_the_prediction():
-    refs = ["positive", "negative", "positive", "New York", "negative", "positive", "no"]
-    preds = ["Positive.", "  NEGATIVE!\nThe acting is poor", "negative", "new york, in 1999", "Negative-ish",
-             "The review is positive", ""]
-    # matched: 1 (punctuation and case), 2 (first word; the rest ignored), 4 (as many words as the reference);
-    # punctuation is removed, not a space (SQuAD's normalisation): "Negative-ish" is one word, no match
-    got = metrics.compute(["exact_match"], preds, refs)
-    assert got == {"exact_match": 3 / 7}
-    assert metrics.compute(["exact_match", "rouge"], refs, refs)["exact_match"] == 1.0
-    assert metrics.compute(["exact_match"], [], []) == {"exact_match": 0.0}
-    assert metrics.metric_files(helpers.load_pipeline("tiny-billsum", ["evaluate.metrics=[exact_match]"]),
-                                metrics_task("seq2seq")) == [metrics.MODULES_DIR / "exact_match"]
-
-
-def metrics_task(name: str):
-    from stages.common.tasks import task_of
-
-    return task_of(name)
-
-
 def test_metrics_by_name_or_path_offline(tmp_path, monkeypatch):
     """Shipped names load offline; a path loads the user's own module (its file is in the evaluate key);
     other names go to the hub, which offline is one line naming the fix; a module that cannot score the

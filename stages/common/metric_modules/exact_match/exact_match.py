@@ -1,34 +1,30 @@
-"""Exact match of short generated answers (the finetune project's offline module): each prediction,
-normalised, its first words (as many as its reference has) against the normalised reference."""
+"""Exact match of short generated answers (the finetune project's offline module): the prediction and the
+reference normalised (lowercase, punctuation dropped, whitespace collapsed), then the prediction's first words,
+as many as the reference has, compared with the reference. "Positive." and "positive, clearly" both match the
+reference "positive"; "This review is positive" does not (it did not answer as asked)."""
 
 import re
-import string
 
 import datasets
 import evaluate
 
-_DESCRIPTION = ("Exact match = examples whose normalised prediction starts with the normalised reference, word "
-                "for word / examples (0.0 for no examples). Normalised: lowercased, punctuation removed, "
-                "whitespace collapsed and stripped. Only the prediction's first N words count, N the reference's "
-                "word count, so 'Positive. The review praises...' matches 'positive'.")
+_DESCRIPTION = "Exact match = predictions whose first words equal the reference, after normalising both."
 _KWARGS = """
 Args:
-    predictions (list of str): generated texts.
-    references (list of str): the expected answers.
+    predictions (list of str): generated answers.
+    references (list of str): reference answers.
 Returns:
     exact_match (float): in [0, 1].
 """
-_PUNCTUATION = re.compile(f"[{re.escape(string.punctuation)}]")
 
 
-def normalise(text: str) -> list[str]:
-    """The words of `text`, lowercased, its punctuation removed (SQuAD's normalisation: "don't" is "dont")."""
-    return _PUNCTUATION.sub("", text.lower()).split()
+def normalise(text):
+    return re.sub(r"[^\w\s]", " ", text.lower()).split()
 
 
-def matches(prediction: str, reference: str) -> bool:
-    want = normalise(reference)
-    return normalise(prediction)[:len(want)] == want
+def matches(prediction, reference):
+    ref = normalise(reference)
+    return normalise(prediction)[:len(ref)] == ref
 
 
 class ExactMatch(evaluate.Metric):
