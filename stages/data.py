@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import LabelColumn, columns, label_column, read_table
+from stages.common.tables import LabelColumn, columns, header, label_column, read_table
 from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so plann
 
 HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
+HUB_COLUMNS = {"imdb": ("text", "label"), "billsum": ("text", "summary", "title")}  # what `_read_hub` reads
 DEFAULT_TARGET = {"billsum": "summary"}
 TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
@@ -297,10 +298,7 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                 for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
     if d.format == "conversation":
         turns = d.conversation or {}
-        unknown = sorted(chats.fields_of(turns) - set(map(str, df.columns)))
-        if unknown:
-            raise ConfigError(f"data.conversation: {{{unknown[0]}}} is not a column of {path or split + ' split'} "
-                              f"(columns: {', '.join(map(str, df.columns))}); write one of those in braces")
+        check_fields(turns, [str(c) for c in df.columns], str(path or split + " split"))
         return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i))
                 for i, row in enumerate(df.to_dict("records"))]
     if d.messages_column not in df.columns:
@@ -309,6 +307,14 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                                 f"holding the conversations")
     return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
             for i, v in enumerate(df[d.messages_column])]
+
+
+def check_fields(turns: dict[str, str], columns_: list[str], where: str) -> None:
+    """Every {field} of data.conversation is a column of the data (ConfigError naming it and the columns)."""
+    unknown = sorted(chats.fields_of(turns) - set(columns_))
+    if unknown:
+        raise ConfigError(f"data.conversation: {{{unknown[0]}}} is not a column of {where} "
+                          f"(columns: {', '.join(columns_)}); write one of those in braces")
 
 
 def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: DataConfig, split: str,
@@ -413,7 +419,16 @@ def check_rows(cfg: PipelineConfig) -> None:
                           f"model.task causal_lm, not {cfg.model.task}; set model.task: causal_lm or "
                           f"data.format: columns")
     if not (d.source == "local" or d.path):
+        if d.format == "conversation":  # the mirror's files' headers, or the columns the hub's dataset has
+            files = mirror_files(d)
+            for f in files:
+                check_fields(d.conversation or {}, list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)),
+                             str(f))
+            if not files and d.hub_id is None:
+                check_fields(d.conversation or {}, list(HUB_COLUMNS[d.source]), f"the hub's {d.source}")
         return
+    if d.format == "conversation" and _local_label_files(d) is None:  # aclImdb: what aclimdb.read_* give
+        check_fields(d.conversation or {}, ["id", "text", "label"], str(local_path(d.path)))
     for f in _local_label_files(d) or []:
         _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
 

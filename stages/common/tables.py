@@ -77,3 +77,28 @@ class LabelColumn:
 
 def columns(f: Path) -> list[str]:
     return [str(c) for c in read_table(f).columns]
+
+
+@functools.lru_cache(maxsize=32)
+def header(path: str, size: int, mtime_ns: int) -> tuple[str, ...]:
+    """A file's column names, reading as little of it as its format allows (a CSV's header line, a JSONL
+    file's first row, a Parquet schema). Cached per file version."""
+    import gzip
+    import json
+
+    import pandas as pd
+
+    p = Path(path)
+    name = p.name.lower()
+    if name.endswith((".csv", ".csv.gz")):
+        return tuple(str(c) for c in pd.read_csv(p, nrows=0).columns)
+    if name.endswith((".jsonl", ".jsonl.gz")):
+        with gzip.open(p, "rt") if name.endswith(".gz") else p.open() as fh:
+            first = next((line for line in fh if line.strip()), "{}")
+        row = json.loads(first)
+        return tuple(map(str, row)) if isinstance(row, dict) else ()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return tuple(pq.read_schema(p).names)
+    return tuple(columns(p))

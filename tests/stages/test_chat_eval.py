@@ -5,14 +5,16 @@ on the same rows, beside the tuned one."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from helpers import run_pipeline
+from helpers import ROOT, SHARED_DATA, needs_shared_data, run_pipeline, subprocess_env
 from test_chat import SMOLLM2, data_cfg, frames, pipeline_file, render, trained, write_jsonl
 
 from stages.common import metrics
 from stages.common.hf import load_tokenizer
-from stages.data import normalise
+from stages.data import check_rows, normalise
 from stages.engine.errors import ConfigError
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
@@ -91,3 +93,26 @@ def test_the_baseline_is_the_untuned_model_on_the_same_rows(tmp_path):
              for x in (untouched["evaluate"].path / "predictions.jsonl").read_text().splitlines()]
     assert again == base_preds
     assert untouched["evaluate"].manifest["metrics"]["splits"]["test"] == base
+
+
+@needs_shared_data
+def test_an_unknown_field_of_the_mirrors_data_is_refused_at_plan_time_nothing_written(tmp_path, monkeypatch):
+    """The shipped smol-chat reads IMDB from the offline mirror: a {field} its files lack is one line, exit 2,
+    before any stage runs (the mirror's header names the columns), not after the data stage read 50k rows."""
+    store = tmp_path / "store"
+    p = subprocess.run([sys.executable, "-m", "stages", "smol-chat", "--set", 'data.conversation.user="{review}"'],
+                       cwd=ROOT, env=subprocess_env(store), capture_output=True, text=True, timeout=120)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, p.stderr
+    assert err[0].endswith("data.conversation: {review} is not a column of "
+                           f"{SHARED_DATA / 'imdb' / 'test.csv.gz'} (columns: text, label); write one of those "
+                           "in braces")
+    assert not store.exists() or not any(store.glob("data/*"))
+    monkeypatch.delenv("FINETUNE_DATA_MIRROR", raising=False)  # no mirror: the hub's dataset's columns
+    hub = PipelineConfig.model_validate({"name": "t", "data": {"source": "imdb", "mirror": "/nowhere",
+                                                               "format": "conversation", "conversation": TURNS | {
+                                                                   "assistant": "{sentiment}"}},
+                                         "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None}})
+    with pytest.raises(ConfigError, match=r"^data.conversation: \{sentiment\} is not a column of the hub's imdb "
+                                          r"\(columns: text, label\)"):
+        check_rows(hub)
