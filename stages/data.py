@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -309,7 +310,7 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
             for i, v in enumerate(df[d.messages_column])]
 
 
-def check_fields(turns: dict[str, str], columns_: list[str], where: str) -> None:
+def check_fields(turns: Mapping[Any, str], columns_: list[str], where: str) -> None:
     """Every {field} of data.conversation is a column of the data (ConfigError naming it and the columns)."""
     unknown = sorted(chats.fields_of(turns) - set(columns_))
     if unknown:
