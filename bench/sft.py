@@ -59,7 +59,8 @@ def trl_trainer(model: torch.nn.Module, tok: Any, convs: list[list[dict[str, str
                      num_train_epochs=1, learning_rate=1e-4, lr_scheduler_type="constant", optim="adamw_torch",
                      max_length=MAX_LENGTH, packing=packed, completion_only_loss=True, use_cpu=True, bf16=False,
                      fp16=False, report_to=[], logging_steps=10**6, save_strategy="no", seed=0,
-                     dataloader_num_workers=0, disable_tqdm=True)
+                     dataloader_num_workers=0, disable_tqdm=True,
+                     gradient_checkpointing=False)  # TRL turns it on by default; the train stage does not
     return SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
 
 
