@@ -299,8 +299,8 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                 for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
     if d.format == "conversation":
         turns = d.conversation or {}
-        check_fields(turns, [str(c) for c in df.columns], str(path or split + " split"))
-        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i))
+        check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), str(path or split + " split"))
+        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i), d.label_column)
                 for i, row in enumerate(df.to_dict("records"))]
     if d.messages_column not in df.columns:
         raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
@@ -308,6 +308,12 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                                 f"holding the conversations")
     return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
             for i, v in enumerate(df[d.messages_column])]
+
+
+def fields_of_columns(columns_: list[str], d: Any) -> list[str]:
+    """The {fields} data.conversation may write over these columns: each column, and {label} when
+    data.label_column is one of them."""
+    return columns_ + ["label"] if d.label_column in columns_ and "label" not in columns_ else columns_
 
 
 def check_fields(turns: Mapping[Any, str], columns_: list[str], where: str) -> None:

@@ -113,16 +113,25 @@ def fields_of(turns: Mapping[Any, str]) -> set[str]:
 
 
 def from_columns(row: Mapping[str, Any], turns: Mapping[Any, str], label_names: list[str] | None,
-                 where: str) -> list[dict[str, str]]:
-    """A row's conversation from data.conversation's format strings ({label}: its class name when the data
-    names its classes)."""
+                 where: str, label_column: str | None = "label") -> list[dict[str, str]]:
+    """A row's conversation from data.conversation's format strings. {label} is the class name of the row's
+    data.label_column: an integer id names label_names[id]; a name (string) stands as it is."""
     values = {k: _text(v) for k, v in row.items()}
-    if label_names and "label" in row:
-        try:
-            values["label"] = label_names[int(row["label"])]
-        except (ValueError, IndexError, TypeError):
-            raise DataError(f"{where}, field 'label': {row['label']!r} is not a class id of data.label_names "
-                            f"{label_names}; give labels 0..{len(label_names) - 1}") from None
+    if label_column and label_column in row:
+        value = row[label_column]
+        if isinstance(value, str):
+            if label_names and value not in label_names:
+                raise DataError(f"{where}, field '{label_column}': {value!r} is not one of data.label_names "
+                                f"{label_names}; add it there or fix the row")
+            values["label"] = value
+        elif label_names:
+            try:
+                if int(value) != value:
+                    raise ValueError
+                values["label"] = label_names[int(value)]
+            except (ValueError, IndexError, TypeError):
+                raise DataError(f"{where}, field '{label_column}': {value!r} is not a class id of "
+                                f"data.label_names {label_names}; give labels 0..{len(label_names) - 1}") from None
     out = [{"role": role, "content": turns[role].format_map(values)}
            for role in ("system", "user", "assistant") if role in turns]
     if not out[-1]["content"].strip():

@@ -133,8 +133,9 @@ class DataConfig(Section):
 
     conversation: dict[Literal["system", "user", "assistant"], str] | None = Field(
         None, description="conversation: the turns of a row as Python format strings over its columns, e.g. "
-        "{user: \"{text}\\n\\nPositive or negative?\", assistant: \"{label}\"}; {label} is the class name "
-        "(data.label_names[label]) when label_names are given. user and assistant are required, system optional")
+        "{user: \"{text}\\n\\nPositive or negative?\", assistant: \"{label}\"}; {label} is the class of "
+        "the row's data.label_column: label_names[id] for an integer id, a name as it is. user and assistant are "
+        "required, system optional")
 
     @model_validator(mode="after")
     def _conversation_turns(self) -> DataConfig:

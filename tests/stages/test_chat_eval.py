@@ -15,7 +15,7 @@ from test_chat import SMOLLM2, data_cfg, frames, pipeline_file, render, trained,
 from stages.common import metrics
 from stages.common.hf import load_tokenizer
 from stages.data import check_rows, normalise
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, DataError
 from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
 
@@ -42,6 +42,22 @@ def test_a_labelled_row_becomes_a_conversation_rendered_and_masked(tok):
                                "Is this movie review positive or negative? Answer with one word.<|im_end|>\n"
                                "<|im_start|>assistant\npositive<|im_end|>\n")
     assert [s for s, on in trained(tok, ids, labels) if on] == ["positive", "<|im_end|>", "\n"]
+
+
+def test_label_is_the_class_of_data_label_column_by_id_or_by_name():
+    turns = {"user": "{text}", "assistant": "{label}"}
+    ids = data_cfg(format="conversation", conversation=turns, label_column="kind", label_names=["neg", "pos"])
+    got = normalise(frames([{"text": "a", "kind": 1}, {"text": "b", "kind": 0}]), ids)["train"]
+    assert list(got["target"]) == ["pos", "neg"]
+    names = data_cfg(format="conversation", conversation=turns, label_column="kind")
+    got = normalise(frames([{"text": "a", "kind": "short"}, {"text": "b", "kind": "long"}]), names)["train"]
+    assert list(got["target"]) == ["short", "long"]
+    listed = data_cfg(format="conversation", conversation=turns, label_column="kind", label_names=["neg", "pos"])
+    with pytest.raises(DataError, match=r"^train split, row 1, field 'kind': 'meh' is not one of "
+                                        r"data.label_names \['neg', 'pos'\]; add it there or fix the row$"):
+        normalise(frames([{"text": "a", "kind": "pos"}, {"text": "b", "kind": "meh"}]), listed)
+    with pytest.raises(DataError, match=r"field 'kind': 2 is not a class id of data.label_names"):
+        normalise(frames([{"text": "a", "kind": 2}]), listed)
 
 
 def test_an_unknown_field_or_a_missing_turn_is_one_line():
