@@ -37,6 +37,7 @@ from stages.engine.config import (
 )
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
+from stages.engine.names import inside, name_problem
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig, SweepConfig
 from stages.engine.store import Store, write_json_atomic
@@ -138,6 +139,8 @@ def adhoc_sweep(pipeline: str, grid: list[str], sets: list[str] | None = None, s
           config_file: Path | str = DEFAULT_PIPELINE_FILE) -> Sweep:
     """The sweep `PIPELINE --grid ... [--set ...] [--seeds ...]` describes; its name (folder, UI key) is the
     pipeline and a hash of the definition unless given."""
+    if name and (problem := name_problem(name)):
+        raise ConfigError(f"--name: {problem}")
     common = dict((".".join(parts), value) for parts, value in map(parse_override, sets or []))
     body: dict[str, Any] = {"pipeline": pipeline, "grid": parse_grid(grid), "set": common,
                             "seeds": list(seeds or [])}
@@ -161,7 +164,7 @@ def from_spec(name: str, body: dict[str, Any], config_file: Path | str = DEFAULT
 
 def sweep_dir(store: Store, name: str) -> Path:
     """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    return store.local.root / "sweeps" / name
+    return inside(store.local.root / "sweeps", store.local.root / "sweeps" / name)
 
 
 def save_definition(s: Sweep, store: Store) -> Path:

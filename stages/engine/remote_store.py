@@ -34,8 +34,10 @@ from typing import Any
 import fsspec
 
 from stages.engine.config import store_root
+from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import Lease
+from stages.engine.names import name_problem
 from stages.engine.store import MANIFEST, Store, log, manifest_problems, now_iso
 
 POLL_S = 0.5
@@ -215,6 +217,8 @@ class RemoteStore(Store):
                       for p in self.fs.ls(folder, detail=False) if p.endswith(".json"))
 
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
+        if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
+            raise ConfigError(f"pipeline name {problem}")
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key

@@ -46,7 +46,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
+from stages.engine.names import name_problem
 
 log = logging.getLogger("finetune.store")
 MANIFEST = "manifest.json"
@@ -314,6 +316,8 @@ class Store:
         return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
 
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
+        if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
+            raise ConfigError(f"pipeline name {problem}")
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key

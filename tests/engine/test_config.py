@@ -64,6 +64,10 @@ CASES = [
      "--set train: num_machines > 1 needs train.main_process_ip (machine 0's address, reachable from every machine)"),
     (None, ["train.machine_rank=2", "train.num_machines=2"], "bloom-imdb",
      "--set train: machine_rank 2 is not below num_machines 2: number the machines 0 .. 1"),
+    # a name becomes a path (refs/<name>.json, sweeps/<name>/): a name that is a path of its own is refused
+    (BASE + "  ../../evil: {extends: bloom-imdb}\n", [], "../../evil",
+     "pipelines.../../evil.name: '../../evil' is not a name: use 1-128 letters, digits and _ . + = -"),
+    (BASE + "  /tmp/evil: {extends: bloom-imdb}\n", [], "/tmp/evil", "'/tmp/evil' is not a name"),
 ]
 
 
