@@ -31,6 +31,7 @@ from stages.engine.config import (
     load_sweep,
     parse_override,
     pipeline_names,
+    safe_yaml,
     sweep_names,
     validate_sweep,
     yaml_number,
@@ -126,10 +127,12 @@ def parse_grid(items: list[str]) -> dict[str, list[Any]]:
         if not sep or not key.strip() or not raw.strip():
             raise ConfigError(f"--grid {item}: expected KEY=V1,V2,..., e.g. --grid train.lr=1e-4,5e-4")
         try:
-            values = yaml.safe_load(f"[{raw}]")
+            values = safe_yaml(f"[{raw}]")
         except yaml.YAMLError as e:
             raise ConfigError(f"--grid {item}: values are not valid YAML ({getattr(e, 'problem', e)}); quote them") \
                 from None
+        except ConfigError as e:
+            raise ConfigError(f"--grid {item}: {e}") from None
         grid[key.strip()] = yaml_number(values)
     return grid
 

@@ -49,9 +49,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"--set {text}: empty key segment; write a dotted key such as train.lr")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text}: value is not valid YAML ({e.problem}); quote it") from None
+        raise ConfigError(f"--set {text}: value is not valid YAML ({getattr(e, 'problem', e)}); quote it") from None
+    except ConfigError as e:
+        raise ConfigError(f"--set {text}: {e}") from None
     return parts, yaml_number(value)
 
 
@@ -98,8 +100,13 @@ def override_strings(overrides: list[str] | dict[str, Any] | None) -> list[str]:
     return [f"{k}={json.dumps(v, separators=(', ', ': '))}" for k, v in overrides.items()]
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a pipeline file is a few KB; anything this large is not one
+MAX_YAML_NODES = 100_000  # nodes after aliases are expanded: a pipeline file has hundreds
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last) and a
+    document whose aliases expand past MAX_YAML_NODES (a "billion laughs" bomb hangs whatever walks it)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -111,16 +118,63 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_YAML_NODES:
+            raise ConfigError(f"aliases (*name) expand to more than {MAX_YAML_NODES:,} values; write the "
+                              f"values out, or use fewer nested aliases")
+        return self.construct_document(node)
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many nodes `node` stands for once every alias is copied out (shared nodes counted each time)."""
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a recursive alias counts once, not forever
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        memo[id(node)] = 1 + sum(_expanded_size(c, memo) for c in children)
+    return memo[id(node)]
+
+
+def safe_yaml(text: str) -> Any:
+    """YAML text -> data, with _UniqueKeyLoader's checks (pipeline files and --set values)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
+def read_text_bounded(path: Path, what: str = "pipeline file") -> str:
+    """A config file's text: a regular UTF-8 file of at most MAX_CONFIG_BYTES (ConfigError otherwise)."""
+    if not path.exists():
+        raise ConfigError(f"{path}: {what} not found; pass --config PATH or run from the project root")
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise ConfigError(f"{path}: {kind}; --config takes a YAML {what} (e.g. mine.yaml)")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, not a {what} (they are a few KB); "
+                          f"check the path")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); a {what} is YAML "
+                          f"text, saved as UTF-8") from None
+
 
 def read_yaml(path: Path) -> dict:
-    if not path.exists():
-        raise ConfigError(f"{path}: pipeline file not found; pass --config PATH or run from the project root")
+    text = read_text_bounded(path)
     try:
-        doc = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        doc = safe_yaml(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path.name}{where}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path.name}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path.name}: nested too deeply to be a pipeline file; check its content") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("pipelines"), dict):
         raise ConfigError(f"{path.name}: needs a top-level 'pipelines:' mapping of named pipelines")
     unknown = set(doc) - {"defaults", "pipelines", "sweeps"}
@@ -296,6 +350,9 @@ def _chain(doc: dict, name: str | None) -> list[tuple[str, dict]]:
             raise ConfigError(f"pipelines.{name}.extends: cycle through {sorted(n for _, n in seen)}; break the loop")
         seen.add((layer, name))
         body = (own if layer == "own" else project).get(name)
+        if body is None and chain and chain[-1][0] == f"pipelines.{name}":
+            raise ConfigError(f"pipelines.{name}.extends: {name} extends itself, and {DEFAULT_PIPELINE_FILE.name} "
+                              f"has no pipeline {name} it could mean; extend another pipeline or remove extends")
         if body is None:
             raise ConfigError(f"{chain[-1][0]}.extends: unknown pipeline '{name}'; available: "
                               f"{', '.join(doc['pipelines'])}")

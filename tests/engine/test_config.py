@@ -38,6 +38,9 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+# nine anchors, each ten aliases of the one before: 10**9 values once expanded
+BOMB = [f"&a [{','.join(['1'] * 10)}]"] + [f"&{c} [{','.join([f'*{p}'] * 10)}]" for p, c in zip("abcdefgh", "bcdefghi",
+                                                                                                 strict=True)]
 CASES = [
     # (yaml body or None for BASE, --set list, pipeline, expected error line)
     (BASE.replace("gradient_accumulation_steps: 16", "gradient_accumulation_steps: 0"), [], "bloom-imdb",
@@ -68,6 +71,14 @@ CASES = [
     (BASE + "  ../../evil: {extends: bloom-imdb}\n", [], "../../evil",
      "pipelines.../../evil.name: '../../evil' is not a name: use 1-128 letters, digits and _ . + = -"),
     (BASE + "  /tmp/evil: {extends: bloom-imdb}\n", [], "/tmp/evil", "'/tmp/evil' is not a name"),
+    (BASE + "  x: {extends: x}\n", [], "x", "pipelines.x.extends: x extends itself, and pipeline.yaml has no "
+     "pipeline x it could mean"),
+    (BASE + "  x: {extends: y}\n  y: {extends: x}\n", [], "x", "pipelines.x.extends: cycle through ['x', 'y']"),
+    # bounded input: aliases that expand a billionfold, in a free-form field, in the file or in --set
+    (BASE + "    model: {from_config: {" + ", ".join(f"{n}: {v}" for n, v in zip("abcdefghi", BOMB, strict=True)) +
+     "}}\n", [], "bloom-imdb", "pipeline.yaml: aliases (*name) expand to more than 100,000 values"),
+    (None, [f"model.from_config=[{', '.join(BOMB)}]"], "bloom-imdb",
+     "*h,*h]]: aliases (*name) expand to more than 100,000 values"),
 ]
 
 
@@ -82,6 +93,21 @@ def test_malformed_config_is_one_line_exit_2_nothing_written(tmp_path, store_dir
     assert len(lines) == 1, err
     assert lines[0].startswith("error: ")
     assert expected in lines[0], lines[0]
+    assert not store_dir.exists()
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda p: p.mkdir(), "a folder; --config takes a YAML pipeline file"),
+    (lambda p: p.write_bytes(b"pipelines:\n  x: {}\n" + bytes(range(128, 256))), "line 3 is not UTF-8 text (byte 0x80)"),
+    (lambda p: p.write_text("# padding\n" * 110_000), "larger than 1 MiB, not a pipeline file"),
+    (lambda p: p.symlink_to("/dev/zero"), "not a regular file"),
+], ids=["folder", "binary", "huge", "device"])
+def test_a_config_that_is_no_pipeline_file_is_one_line_nothing_read_past_a_limit(tmp_path, store_dir, capsys,
+                                                                                   make, expected):
+    make(tmp_path / "mine.yaml")
+    code, err = run_cli(["x", "--config", str(tmp_path / "mine.yaml")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {tmp_path / 'mine.yaml'}: {expected}"), err
     assert not store_dir.exists()
 
 
