@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -20,6 +21,8 @@ from typing import Any
 from stages.engine.codegraph import CodeGraph, code_graph, source_signature
 from stages.engine.parallel import map_chunks
 from stages.engine.paths import PROJECT_ROOT
+
+log = logging.getLogger("finetune.store")
 
 OUTPUT_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft", "bitsandbytes")
 UNRESOLVED = "unresolved"  # a dependency (a hub revision) whose identity could not be pinned when planning
@@ -85,13 +88,36 @@ class HashMemo:
         if self.path is None:
             return None
         if self._db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False)
-            self._db.execute("CREATE TABLE IF NOT EXISTS hashes (path TEXT, inode INTEGER, size INTEGER, "
-                             "mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, "
-                             "PRIMARY KEY (path, inode, size, mtime_ns, ctime_ns))")
-            self._db.execute("CREATE TABLE IF NOT EXISTS derived (key TEXT PRIMARY KEY, value TEXT)")
+            try:
+                self._db = self._open(self.path)
+            except sqlite3.DatabaseError as e:  # not a database, or a damaged one: it only remembers hashes
+                aside = self.path.with_name(f"{self.path.name}.corrupt")  # the last one, for a look
+                with contextlib.suppress(OSError):
+                    self.path.replace(aside)
+                try:
+                    self._db = self._open(self.path)
+                    log.warning("%s: unreadable (%s); moved aside to %s and started afresh (hashes are "
+                                "recomputed once)", self.path, e, aside.name)
+                except sqlite3.Error as e2:
+                    log.warning("%s: unusable (%s); hashes are remembered in memory for this run only",
+                                self.path, e2)
+                    self.path = None
         return self._db
+
+    @staticmethod
+    def _open(path: Path) -> sqlite3.Connection:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, timeout=30, check_same_thread=False)
+        try:
+            db.execute("CREATE TABLE IF NOT EXISTS hashes (path TEXT, inode INTEGER, size INTEGER, "
+                       "mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, "
+                       "PRIMARY KEY (path, inode, size, mtime_ns, ctime_ns))")
+            db.execute("CREATE TABLE IF NOT EXISTS derived (key TEXT PRIMARY KEY, value TEXT)")
+            db.execute("SELECT count(*) FROM hashes").fetchone()
+        except sqlite3.Error:
+            db.close()
+            raise
+        return db
 
     def derived(self, key: str, compute: Callable[[], Any]) -> Any:
         """A JSON value computed from files, remembered under `key`, which must name those files' stat

@@ -65,3 +65,21 @@ def test_the_store_keeps_its_memo(tmp_path):
     store.hashes().sha256(f)
     assert (tmp_path / "store" / ".state" / "hashes.sqlite").is_file()
     assert [e for e in store.entries()] == []  # the memo is not an artifact
+
+
+@pytest.mark.parametrize("garbage", [b"not a database " * 300, b"SQLite format 3\x00" + bytes(4000)],
+                         ids=["random", "damaged-header"])
+def test_a_garbage_memo_is_moved_aside_with_a_warning_and_rebuilt(tmp_path, reads, caplog, garbage):
+    db = tmp_path / ".state" / "hashes.sqlite"
+    db.parent.mkdir()
+    db.write_bytes(garbage)
+    f = tmp_path / "x.txt"
+    f.write_text("x")
+    with caplog.at_level("WARNING", logger="finetune"):
+        assert HashMemo(db).sha256(f) == hashlib.sha256(b"x").hexdigest()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{db}: unreadable (file is not a database); moved aside to hashes.sqlite.corrupt and started afresh "
+        f"(hashes are recomputed once)"]
+    assert (tmp_path / ".state" / "hashes.sqlite.corrupt").read_bytes() == garbage
+    HashMemo(db).sha256(f)  # rebuilt: a fresh process reads nothing again
+    assert reads == ["x.txt"]
