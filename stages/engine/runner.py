@@ -18,6 +18,7 @@ from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
 from stages.engine.stage import JOINED, ConfigView, StageContext, loaded, stage_params
 from stages.engine.store import Outcome, Store
+from stages.engine.units import human_bytes
 
 log = logging.getLogger("finetune")
 
@@ -91,6 +92,8 @@ class Execution:
 
     def __init__(self, plan: Plan, store: Store):
         self.plan, self.store = plan, store
+        if freed := store.local.sweep_tmp():  # what runs that died on this store left in .tmp
+            log.info("store: removed %s of dead runs' temporary folders (.tmp)", human_bytes(freed))
         self.done = read_upstream(plan, store)
         self.outcomes: list[Outcome] = []
         self.current: str | None = None

@@ -18,7 +18,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
-from stages.engine.store import Lookup, StageKey, Store, folder_size
+from stages.engine.store import TMP_NAME, Lookup, StageKey, Store, folder_size
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
 # A stage that resumes (train) keeps {"step": N, "of": M} here in its scratch folder, for `status` to say
@@ -303,12 +303,17 @@ def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[s
            for stage, key, _ in store.entries() if (stage, key) not in keep or (stage, key) in invalid]
     out += [Garbage("work", stage, key, str(folder), folder_size(folder))
             for stage, key, folder in store.work_entries() if (stage, key) not in keep]
+    out += [Garbage("tmp", m.group("stage") if (m := TMP_NAME.fullmatch(d.name)) else "-",
+                    m.group("key") if m else d.name, str(d), folder_size(d),
+                    note="a dead run's temporary folder") for d in store.local.dead_tmp()]
     return out
 
 
 def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
     """Delete each item unless a run holds its key's lock (then it is in use: kept)."""
     for g in garbage:
+        if g.kind == "tmp":
+            continue
         try:
             g.removed = store.remove(g.stage, g.key) if g.kind == "artifact" else store.remove_work(g.stage, g.key)
         except OSError as e:
@@ -318,6 +323,11 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
             store.log_event(event="gc", stage=g.stage, key=g.key, kind=g.kind, size_bytes=g.size_bytes)
         else:
             g.note = "in use by a running stage; kept"
+    tmp = [g for g in garbage if g.kind == "tmp"]
+    if tmp:
+        store.local.sweep_tmp()
+        for g in tmp:
+            g.removed = not Path(g.path).exists()
     return garbage
 
 

@@ -34,6 +34,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -52,6 +53,7 @@ from stages.engine.names import name_problem
 
 log = logging.getLogger("finetune.store")
 MANIFEST = "manifest.json"
+TMP_NAME = re.compile(r"(?P<stage>\w+)-(?P<key>[0-9a-f]{64})-\d+-[0-9a-f]{8}")  # .tmp/<stage>-<key>-<pid>-<id>
 
 
 @dataclass(frozen=True)
@@ -394,14 +396,14 @@ class Store:
             token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
             try:
                 metrics = body(*args(tmp, work)) or {}
+                manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
+                                                time.perf_counter() - t0, reason, replaces)
+                self.commit_folder(tmp, final)
             except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # a failed body or manifest write leaves nothing behind
                 raise
             finally:
                 _work_saved.reset(token)
-            manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
-                                            time.perf_counter() - t0, reason, replaces)
-            self.commit_folder(tmp, final)
             shutil.rmtree(work, ignore_errors=True)
             self.drop_work(sk.stage, sk.key)
             self.publish(sk.stage, sk.key)
@@ -430,6 +432,34 @@ class Store:
 
     def drop_work(self, stage: str, key: str) -> None:
         """After the commit: forget the key's published work."""
+
+    def dead_tmp(self) -> list[Path]:
+        """.tmp entries no live process owns: a trash or gc folder whose removal was cut short, or a stage's
+        half-written output whose key lock nobody holds (a live writer holds it until it commits)."""
+        tmp_root = self.root / ".tmp"
+        if not tmp_root.is_dir():
+            return []
+        dead = []
+        for d in sorted(tmp_root.iterdir()):
+            if d.name.startswith(("trash-", "gc-")):
+                dead.append(d)
+            elif m := TMP_NAME.fullmatch(d.name):
+                with self.try_lock(m.group("key")) as free:
+                    if free:
+                        dead.append(d)
+        return dead
+
+    def sweep_tmp(self) -> int:
+        """Remove the dead .tmp entries (each rechecked under its key's lock); the bytes freed."""
+        freed = 0
+        for d in self.dead_tmp():
+            m = TMP_NAME.fullmatch(d.name)
+            with self.try_lock(m.group("key")) if m else contextlib.nullcontext(True) as free:
+                if free and d.exists():
+                    size = folder_size(d)
+                    shutil.rmtree(d, ignore_errors=True)
+                    freed += size if not d.exists() else 0
+        return freed
 
     def _clear_tmp(self, sk: StageKey) -> None:
         # We hold sk's lock, so any .tmp folder of this key is a dead run's leftover.
