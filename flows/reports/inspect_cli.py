@@ -4,7 +4,7 @@ is not imported, no stage runs).
     finetune inspect status PIPELINE [--set train.lr=1e-4] [--json]
     finetune inspect show PIPELINE STAGE       the stage's manifest (JSON)
     finetune inspect path PIPELINE STAGE       the stage's artifact folder
-    finetune inspect gc [--force] [--keep-refs] [--json]
+    finetune inspect gc [--force] [--keep-refs] [--min-age MINUTES] [--json]
     finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
     finetune inspect runs [PIPELINE] [--sweep NAME] [--json | --csv]
@@ -94,6 +94,8 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
     g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
     g.add_argument("--keep-refs", action="store_true", help="also keep what each pipeline last ran "
                    "(refs/, e.g. runs with overrides)")
+    g.add_argument("--min-age", type=float, default=10.0, metavar="MINUTES", help="keep artifacts committed and "
+                   "work written less than this many minutes ago (default 10; a live run's keys are always kept)")
     add_config_option(g)
     g.add_argument("--json", action="store_true", help="machine-readable output")
     me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
@@ -203,7 +205,8 @@ def cmd_diff(args: argparse.Namespace, store: Store) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
-    garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=args.keep_refs)
+    garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=args.keep_refs,
+                 min_age_s=args.min_age * 60)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
         print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,

@@ -140,3 +140,14 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 def _etag(put_response: Any) -> str | None:
     return put_response.get("ETag") if isinstance(put_response, dict) else None
+
+
+class KeysLease(Lease):
+    """A lease that also lists (stage, key)s: a live run's plan, which gc on any machine spares."""
+
+    def __init__(self, fs: Any, path: str, keys: list[tuple[str, str]], ttl_s: float | None = None):
+        super().__init__(fs, path, ttl_s)
+        self.keys = [list(k) for k in keys]
+
+    def _body(self) -> bytes:
+        return json.dumps({**json.loads(super()._body()), "keys": self.keys}).encode()

@@ -36,7 +36,7 @@ import fsspec
 from stages.engine.config import store_root
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import sha256_text
-from stages.engine.lease import Lease
+from stages.engine.lease import KeysLease, Lease
 from stages.engine.names import name_problem
 from stages.engine.store import MANIFEST, Store, log, manifest_problems, now_iso
 
@@ -238,6 +238,36 @@ class RemoteStore(Store):
             with contextlib.suppress(ValueError, FileNotFoundError):
                 out.append(json.loads(self.fs.cat_file(path)))
         return out
+
+    # ------------------------------------------------------------ live runs (what gc must spare)
+    def _register_live(self, keys: list[tuple[str, str]]) -> Any:
+        """On the shared store, a lease (renewed by its heartbeat) that lists the plan's keys: a gc on any
+        machine spares them while it is renewed; a dead run's lease runs out (its TTL) and is removed."""
+        lease = KeysLease(self.fs, self._r(".live", f"{uuid.uuid4().hex}.json"), keys)
+        lease.acquire()
+        return lease, self.local._register_live(keys)
+
+    def _release_live(self, handle: Any) -> None:
+        lease, local = handle
+        lease.release()
+        self.local._release_live(local)
+
+    def live_keys(self) -> set[tuple[str, str]]:
+        keep, folder = set(), self._r(".live")
+        if not self.fs.exists(folder):
+            return keep
+        self.fs.invalidate_cache(folder)
+        for path in self.fs.ls(folder, detail=False):
+            try:
+                held = json.loads(self.fs.cat_file(path))
+            except (OSError, ValueError):
+                continue
+            if time.time() - float(held.get("renewed", 0)) <= float(held.get("ttl_s", 0)):
+                keep |= {(s, k) for s, k in held.get("keys", [])}
+            else:
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(path)  # its run died: the lease ran out
+        return keep | self.local.live_keys()
 
     # ------------------------------------------------------------ locking
     @contextlib.contextmanager

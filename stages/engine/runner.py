@@ -4,6 +4,7 @@ step, each task calling `run_step`. The engine never names a stage: the graph is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -117,9 +118,13 @@ class Execution:
         return outcome
 
     def __enter__(self) -> Execution:
+        # every key the run reads or writes stays out of gc's reach until it ends
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(self.store.protecting((i.key.stage, i.key.key) for i in self.plan.items))
         return self
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
+        self._held.close()
         if err is not None:
             self.record.failed(self.current, err)
         elif not self.failed:

@@ -10,7 +10,9 @@ else the newest artifact of that stage made by the same pipeline.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
-from stages.engine.store import TMP_NAME, Lookup, StageKey, Store, folder_size
+from stages.engine.store import GC_LOCK, TMP_NAME, Lookup, StageKey, Store, folder_size
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
 # A stage that resumes (train) keeps {"step": N, "of": M} here in its scratch folder, for `status` to say
@@ -257,6 +259,7 @@ class Garbage:
     size_bytes: int
     removed: bool = False
     note: str = ""
+    young: bool = False  # inside gc's grace period: listed, never removed
 
 
 def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
@@ -312,7 +315,7 @@ def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[s
 def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
     """Delete each item unless a run holds its key's lock (then it is in use: kept)."""
     for g in garbage:
-        if g.kind == "tmp":
+        if g.kind == "tmp" or g.young:
             continue
         try:
             g.removed = store.remove(g.stage, g.key) if g.kind == "artifact" else store.remove_work(g.stage, g.key)
@@ -332,9 +335,35 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
 
 
 def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
-       keep_refs: bool = False) -> list[Garbage]:
+       keep_refs: bool = False, min_age_s: float = 0.0) -> list[Garbage]:
+    """Unreachable or invalid artifacts and work (removed with `force`), under the store-wide gc lock: a run
+    registers its plan under that lock, so every key a live run reads or writes is kept, and one that starts
+    during the sweep waits for it. Artifacts committed and work written less than `min_age_s` ago are kept."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
     invalid: dict[tuple[str, str], str] = {}
-    garbage = find_garbage(store, reachable_keys(store, graph, pipelines_file, keep_refs, invalid), invalid)
-    return remove_garbage(store, garbage) if force else garbage
+    keep = reachable_keys(store, graph, pipelines_file, keep_refs, invalid)
+    with store.lock(GC_LOCK, "gc"):
+        live = store.live_keys()
+        garbage = find_garbage(store, keep | live, invalid)
+        for g in garbage:
+            if _young(store, g, min_age_s):
+                g.young, g.note = True, f"newer than {min_age_s / 60:g} min; kept (--min-age)"
+        return remove_garbage(store, garbage) if force else garbage
+
+
+def _young(store: Store, g: Garbage, min_age_s: float) -> bool:
+    """Committed (an artifact) or last written (work) less than min_age_s ago."""
+    if min_age_s <= 0 or g.kind == "tmp":
+        return False
+    if g.kind == "artifact":
+        finished = (store.read_manifest(g.stage, g.key) or {}).get("finished_at")
+        try:
+            return finished is not None and \
+                (datetime.now(UTC) - datetime.fromisoformat(finished)).total_seconds() < min_age_s
+        except (TypeError, ValueError):
+            return False
+    try:
+        return time.time() - Path(g.path).stat().st_mtime < min_age_s
+    except OSError:
+        return False

@@ -38,7 +38,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -53,6 +53,7 @@ from stages.engine.names import name_problem
 
 log = logging.getLogger("finetune.store")
 MANIFEST = "manifest.json"
+GC_LOCK = "gc"  # the store-wide lock: gc's sweep, a run's registration
 TMP_NAME = re.compile(r"(?P<stage>\w+)-(?P<key>[0-9a-f]{64})-\d+-[0-9a-f]{8}")  # .tmp/<stage>-<key>-<pid>-<id>
 
 
@@ -217,6 +218,49 @@ class Store:
                 yield True
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
+
+    # ------------------------------------------------------------ live runs (what gc must spare)
+    @contextlib.contextmanager
+    def protecting(self, keys: Iterable[tuple[str, str]]) -> Iterator[None]:
+        """While inside, gc keeps these (stage, key)s, artifacts and work: a run's whole plan, from its start
+        to its end. Registered under the store-wide gc lock, so a gc sweeping now finishes first."""
+        with self.lock(GC_LOCK, "run"):
+            handle = self._register_live(sorted(keys))
+        try:
+            yield
+        finally:
+            self._release_live(handle)
+
+    def _register_live(self, keys: list[tuple[str, str]]) -> Any:
+        path = self.root / ".state" / "live" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"pid": os.getpid(), "started": now_iso(), "keys": keys})
+        fh = open(path, "a")  # noqa: SIM115 - held (locked) until the run ends; a dead process drops it
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        return path, fh
+
+    def _release_live(self, handle: Any) -> None:
+        path, fh = handle
+        with contextlib.suppress(OSError):
+            path.unlink()
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
+
+    def live_keys(self) -> set[tuple[str, str]]:
+        """(stage, key) of every plan a live run on this store protects; a dead run's record is removed."""
+        folder, keep = self.root / ".state" / "live", set()
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                with open(path) as fh:
+                    try:
+                        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # its run holds it: alive
+                        keep |= {(s, k) for s, k in json.load(fh).get("keys", [])}
+                        continue
+                    path.unlink()  # nobody holds it: the run died without ending
+            except (OSError, ValueError):
+                continue
+        return keep
 
     # ------------------------------------------------------------ reading
     def read_manifest(self, stage: str, key: str) -> dict[str, Any] | None:

@@ -46,7 +46,7 @@ def test_gc_lists_dead_tmp_and_removes_it_with_force(store_dir, capsys):
         assert inspect_main(["gc"]) == 0
         out = capsys.readouterr().out
         assert out.count("a dead run's temporary folder") == 3 and LIVE_KEY[:12] not in out, out
-        assert inspect_main(["gc", "--force"]) == 0
+        assert inspect_main(["gc", "--force", "--min-age", "0"]) == 0
         out = capsys.readouterr().out
     assert sorted(p.name for p in (store_dir / ".tmp").iterdir()) == [f"tokenize-{LIVE_KEY}-4343-0badc0de"]
     assert "removed 3 of 3" in out, out

@@ -119,7 +119,7 @@ def test_gc_dry_run_lists_only_unreachable(env, capsys):
     rc, out = inspect(capsys, "gc", "--config", str(config), "--keep-refs", "--json")
     assert [g["stage"] for g in json.loads(out)["items"]] == ["train"]
 
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--force")
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--force", "--min-age", "0")
     assert rc == 0 and "removed 2 of 2" in out
     assert not (store_root / "tokenize" / orphan).exists()
     assert not (store_root / ".work" / f"train-{'e' * 64}").exists()
@@ -196,7 +196,7 @@ def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
 
     rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
     assert [(g["stage"], g["key"]) for g in json.loads(out)["items"]] == [("tokenize", orphan)]
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--force")
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--force", "--min-age", "0")
     assert "removed 1 of 1" in out and store.problems("tokenize", orphan) == ["not in store"]
     assert store.problems("tokenize", by["tokenize"]["key"]) == []
 
