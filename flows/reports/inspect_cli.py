@@ -4,6 +4,7 @@ is not imported, no stage runs).
     finetune inspect status PIPELINE [--set train.lr=1e-4] [--json]
     finetune inspect show PIPELINE STAGE       the stage's manifest (JSON)
     finetune inspect path PIPELINE STAGE       the stage's artifact folder
+    finetune inspect verify [PIPELINE] [--quarantine] [--json]   every file against its manifest's sha256
     finetune inspect gc [--force] [--keep-refs] [--min-age MINUTES] [--json]
     finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
@@ -33,7 +34,7 @@ from stages.common.pipeline_memory import estimate_pipeline, format_estimate
 from stages.engine.cli import add_config_option, guarded
 from stages.engine.commands import command
 from stages.engine.config import load_pipeline
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
 from stages.engine.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
@@ -98,6 +99,15 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
                    "work written less than this many minutes ago (default 10; a live run's keys are always kept)")
     add_config_option(g)
     g.add_argument("--json", action="store_true", help="machine-readable output")
+    ve = sub.add_parser("verify", help="every file of every artifact (or of PIPELINE's current keys) against its "
+                        "manifest's sha256; exit 1 when any is corrupt")
+    ve.add_argument("pipeline", nargs="?", help="only this pipeline's current artifacts (default: the whole store)")
+    ve.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="the config override the run used (repeatable)")
+    ve.add_argument("--quarantine", action="store_true", help="move each corrupt artifact to .quarantine/ (the "
+                    "next run recomputes it)")
+    add_config_option(ve)
+    ve.add_argument("--json", action="store_true", help="machine-readable output")
     me = sub.add_parser("memory", help="the pipeline's training memory estimated from the model config alone "
                         "(no weights are loaded)")
     pipeline_args(me, stage=False)
@@ -135,6 +145,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
     def go() -> int:
         if args.command == "gc":
             return cmd_gc(args, store)
+        if args.command == "verify":
+            return cmd_verify(args, store)
         if args.command == "compare":
             return cmd_compare(args, store)
         if args.command == "diff":
@@ -202,6 +214,37 @@ def cmd_diff(args: argparse.Namespace, store: Store) -> int:
     d = config_diff.diff(a, b, store)
     print(json.dumps(d, indent=2, default=str) if args.json else config_diff.render_diff(d))
     return 0 if all(s["shared"] for s in d["stages"]) else 1
+
+
+def cmd_verify(args: argparse.Namespace, store: Store) -> int:
+    if not store.exists():
+        raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
+    if args.pipeline:
+        plan = GRAPH.plan(load_pipeline(args.pipeline, args.overrides, args.config), store, pinned=False)
+        present = {(s, k) for s, k, _ in store.entries()}
+        items = [(i.key.stage, i.key.key) for i in plan.items if (i.key.stage, i.key.key) in present]
+    else:
+        items = [(s, k) for s, k, _ in store.entries()]
+    bad = {(s, k): p for s, k in items if (p := store.problems(s, k, verify=True))}
+    moved = {sk: store.quarantine(*sk) for sk in bad} if args.quarantine else {}
+    if args.json:
+        print(json.dumps({"store": str(store), "verified": len(items), "corrupt": [
+            {"stage": s, "key": k, "problems": p, "quarantined": moved.get((s, k))} for (s, k), p in bad.items()]},
+            indent=2))
+        return 1 if bad else 0
+    if not bad:
+        print(f"store {store}: {len(items)} artifacts verified, every file matches its manifest")
+        return 0
+    rows = [["stage", "key", "problem", "quarantine" if args.quarantine else "size"]]
+    for (s, k), p in bad.items():
+        where = (f"moved to {moved[s, k]}" if moved.get((s, k)) else "in use by a run; kept") if args.quarantine \
+            else human_bytes(store.size(s, k))
+        rows.append([s, k[:12], "; ".join(p[:3]) + (f" (+{len(p) - 3} more)" if len(p) > 3 else ""), where])
+    print(render_table(rows))
+    print(f"{len(bad)} of {len(items)} artifacts corrupt" + ("" if args.quarantine else
+          f"; {command('flows.inspect', 'verify', '--quarantine')} moves them aside, or rerun with --verify "
+          f"to recompute them"))
+    return 1
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:

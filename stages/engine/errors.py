@@ -26,3 +26,11 @@ class HubUnreachableError(FinetuneError):
 
 class DivergenceError(FinetuneError):
     """Training diverged (non-finite or exploding loss or gradients); nothing was committed."""
+
+
+class CorruptArtifactError(FinetuneError):
+    """A committed artifact's files no longer match its manifest (a flipped byte, a truncated file)."""
+
+
+class NonFiniteOutputError(FinetuneError):
+    """A model produced NaN or infinite outputs (corrupt or diverged weights)."""

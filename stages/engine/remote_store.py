@@ -125,6 +125,15 @@ class RemoteStore(Store):
             shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
             return True
 
+    def quarantine(self, stage: str, key: str) -> str | None:
+        with self.try_lock(key, what=f"quarantine {stage}") as held:
+            if not held:
+                return None
+            target = f".quarantine/{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            self.fs.mv(self._r(stage, key), self._r(*target.split("/")), recursive=True)
+            shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
+            return target
+
     def remove_work(self, stage: str, key: str) -> bool:
         return self.local.remove_work(stage, key)  # scratch is local to the machine that computes
 

@@ -47,7 +47,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, CorruptArtifactError
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
 from stages.engine.names import name_problem
 
@@ -273,8 +273,9 @@ class Store:
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
-        """Why this artifact is not a valid cache entry ([] when it is)."""
+    def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
+        """Why this artifact is not a valid cache entry ([] when it is). verify: every file's sha256 too,
+        read in full, or (memo) through the hash memo, which rereads a file whose stat fields changed."""
         folder = self.artifact_dir(stage, key)
         if not folder.is_dir():
             return ["not in store"]
@@ -290,7 +291,7 @@ class Store:
                 out.append(f"{f['path']}: missing")
             elif p.stat().st_size != f["size"]:
                 out.append(f"{f['path']}: size {p.stat().st_size} != {f['size']}")
-            elif verify and file_sha256(p) != f["sha256"]:
+            elif verify and (self.hashes().sha256(p) if memo else file_sha256(p)) != f["sha256"]:
                 out.append(f"{f['path']}: sha256 mismatch")
         return out
 
@@ -345,6 +346,17 @@ class Store:
             os.rename(folder, trash)  # gone from the store at once; then reclaim the space
             shutil.rmtree(trash, ignore_errors=True)
             return True
+
+    def quarantine(self, stage: str, key: str) -> str | None:
+        """Move a corrupt artifact out of the store's keys into .quarantine/ (kept for a look; the next run
+        recomputes the key); None when a run holds its key."""
+        with self.try_lock(key, what=f"quarantine {stage}") as held:
+            if not held:
+                return None
+            target = self.root / ".quarantine" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.artifact_dir(stage, key), target)
+            return str(target.relative_to(self.root))
 
     def verify_all(self, full: bool = True) -> dict[str, list[str]]:
         return {f"{s}/{k}": p for s, k, _ in self.entries() if (p := self.problems(s, k, verify=full))}
@@ -430,6 +442,7 @@ class Store:
                 log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], found.why)
             replaces = found.manifest["digest"] if found is not None and found.manifest else None
             final = self.artifact_dir(sk.stage, sk.key)
+            self.check_upstream(sk)
             self._clear_tmp(sk)
             tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
@@ -476,6 +489,19 @@ class Store:
 
     def drop_work(self, stage: str, key: str) -> None:
         """After the commit: forget the key's published work."""
+
+    def check_upstream(self, sk: StageKey) -> None:
+        """Before computing: every upstream file the body will read still has its manifest's sha256 (through
+        the hash memo: free for a file unchanged since it was last hashed), so corruption stops where it is
+        found instead of being committed under a pristine key."""
+        for stage, key in sk.upstream.items():
+            if not self.local.artifact_dir(stage, key).is_dir():
+                continue  # not read from this store (a joined machine's run)
+            if bad := self.local.problems(stage, key, verify=True, memo=True):
+                raise CorruptArtifactError(
+                    f"{sk.stage}: its upstream {stage} artifact {key[:12]} is corrupt ({'; '.join(bad[:3])}); nothing "
+                    f"was computed from it. Run again with --verify to recompute it (finetune inspect verify "
+                    f"lists every corrupt artifact)")
 
     def dead_tmp(self) -> list[Path]:
         """.tmp entries no live process owns: a trash or gc folder whose removal was cut short, or a stage's
