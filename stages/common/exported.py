@@ -22,7 +22,7 @@ from stages.common.device import Precision, autocast, resolve_precision
 from stages.common.inference import device_for
 from stages.common.model_loading import quiet_transformers
 from stages.common.tasks import Task, task_of
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, NonFiniteOutputError
 
 PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model
 log = logging.getLogger("finetune.predict")
@@ -138,4 +138,8 @@ def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dic
     chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
     log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
     with autocast(chosen, device):
-        return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)
+        try:
+            return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)
+        except NonFiniteOutputError as e:
+            raise NonFiniteOutputError(f"export {ex.folder}: {e}; export it again from a verified store "
+                                       f"(finetune inspect verify)") from None

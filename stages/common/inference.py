@@ -15,6 +15,7 @@ from stages.common.batching import split_micro
 from stages.common.hf import special_affixes
 from stages.common.progress import iterate
 from stages.common.tokens import IGNORE_INDEX
+from stages.engine.errors import NonFiniteOutputError
 
 log = logging.getLogger("finetune.inference")
 
@@ -123,6 +124,9 @@ def class_logits(model: torch.nn.Module, rows: list[list[int]], pad_id: int, bat
         if out is None:
             out = torch.empty((len(rows), logits.shape[-1]), dtype=torch.float32)
         out[torch.as_tensor(idx)] = logits
+    if out is not None and not (finite := torch.isfinite(out).all(-1)).all():
+        raise NonFiniteOutputError(f"{desc}: the model's outputs are NaN or infinite for {int((~finite).sum())} of "
+                                   f"{len(rows)} rows; its weights are corrupt or diverged")
     return out if out is not None else torch.empty((0, 0))
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import helpers
 import pytest
 from helpers import BILLSUM, IMDB, needs_shared_data
+from safetensors.torch import load_file, save_file
 
 from flows.predict import main
 from stages.common.arrow import read_split
@@ -156,3 +158,17 @@ def test_chat_options_that_do_not_go_together_are_one_line(runs, capsys, argv, m
     assert main([str(runs["imdb"]["export"].path), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
+
+
+def test_an_export_whose_outputs_are_not_finite_is_one_line_exit_2(runs, tmp_path, capsys):
+    folder = tmp_path / "export"
+    shutil.copytree(runs["imdb"]["export"].path, folder)
+    weights = load_file(folder / "model.safetensors")
+    head = next(k for k in weights if k.startswith("score."))
+    weights[head] = weights[head].fill_(float("nan"))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    assert main([str(folder), "--text", "Great film.", "--text", "Dull."]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: export {folder}: predict: the model's outputs are NaN or infinite for 2 of 2 rows; its "
+                   f"weights are corrupt or diverged; export it again from a verified store (finetune inspect "
+                   f"verify)"), err
