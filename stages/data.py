@@ -25,7 +25,7 @@ from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, header, label_column, read_table
 from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.paths import PROJECT_ROOT, work_root
+from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
 from stages.engine.schema import DataConfig, PipelineConfig
 from stages.engine.stage import StageContext
 
@@ -60,8 +60,8 @@ def local_path(raw: str | None) -> Path:
         p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
         if p.exists():
             return p
-    raise MissingInputError(f"data.path {raw}: no such file or folder; give an existing CSV/JSONL/Parquet file, "
-                            f"a folder of split files, or an aclImdb folder/tarball")
+    raise MissingInputError(f"data.path {raw}: {why_missing(Path(raw).expanduser())}; give an existing "
+                            f"CSV/JSONL/Parquet file, a folder of split files, or an aclImdb folder/tarball")
 
 
 def mirror_files(data_cfg: DataConfig) -> list[Path]:

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from stages import data
 from stages.common import chat, distributed
-from stages.common.hf import check_remote_code, model_deps, model_input_files, tokenizer_deps, tokenizer_files
+from stages.common.hf import (
+    check_model_folder,
+    model_deps,
+    model_input_files,
+    tokenizer_deps,
+    tokenizer_files,
+)
 from stages.common.metrics import metric_files, validation_metric_files
 from stages.common.packing import check_packing
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
@@ -49,7 +55,7 @@ GRAPH = Graph([
         name="model",
         body=Lazy("stages.model", "run"),
         precheck=Lazy("stages.common.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
-        check=check_remote_code,  # a model folder's own Python: refused unless trusted, announced when trusted
+        check=check_model_folder,  # a folder's weights are safetensors; its own Python refused unless trusted
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         resolve=resolve_compute_dtype,  # quantized, auto -> the compute dtype this machine loads in, before the keys
         inputs=model_input_files,

@@ -29,6 +29,26 @@ def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], P
     return name, kwargs, None
 
 
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def check_model_folder(cfg: PipelineConfig) -> None:
+    """At plan time, a local model folder: weights this project loads (safetensors; pickles never are) and
+    code it may run (check_remote_code)."""
+    m = cfg.model
+    _, _, local = split_gguf(m.name, m.gguf_file) if not m.from_config else ("", {}, None)
+    if local is not None and local.is_dir() and (local / "config.json").is_file() \
+            and not any(local.glob("*.safetensors")):
+        pickles = sorted(p.name for pattern in PICKLES for p in local.glob(pattern))
+        if pickles:
+            raise ConfigError(f"model.name {local}: its weights are pickles ({', '.join(pickles[:3])}), which are "
+                              f"never loaded here (unpickling can run code); convert them to safetensors on a "
+                              f"machine you trust (model.save_pretrained(folder, safe_serialization=True))")
+        raise ConfigError(f"model.name {local}: no weights (*.safetensors) in the folder; give a folder saved "
+                          f"with save_pretrained, a .gguf file, or set model.from_config for random weights")
+    check_remote_code(cfg)
+
+
 def check_remote_code(cfg: PipelineConfig) -> None:
     """A model folder whose config.json maps to its own Python (`auto_map`, a model type transformers lacks):
     refused while model.trust_remote_code is off (ConfigError naming the flag), announced by a warning

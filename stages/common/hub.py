@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from stages.engine.errors import HubUnreachableError, MissingInputError
 from stages.engine.fingerprint import UNRESOLVED
+from stages.engine.paths import why_missing
 
 HUB_DEADLINE_S = 1.0
 
@@ -92,7 +93,7 @@ def resolve_local(name: str) -> Path | None:
     if path.exists():
         return path
     if name.startswith(("/", "./", "../", "~")) or name.endswith((".gguf", ".csv", ".jsonl", ".parquet")):
-        raise MissingInputError(f"{name}: no such file or folder; fix the path in pipeline.yaml")
+        raise MissingInputError(f"{name}: {why_missing(path)}; fix the path in pipeline.yaml")
     return None
 
 

@@ -20,15 +20,55 @@ def read_table(path: Path) -> pd.DataFrame:
     import pandas as pd
 
     name = path.name.lower()
-    if name.endswith((".csv", ".csv.gz")):
-        return pd.read_csv(path, keep_default_na=False)
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        return pd.read_json(path, lines=True)
-    if name.endswith(".json"):
-        return pd.read_json(path)
-    if name.endswith(".parquet"):
-        return pd.read_parquet(path)
+    try:
+        if name.endswith((".csv", ".csv.gz")):
+            return pd.read_csv(path, keep_default_na=False)
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            return pd.read_json(path, lines=True)
+        if name.endswith(".json"):
+            return pd.read_json(path)
+        if name.endswith(".parquet"):
+            return pd.read_parquet(path)
+    except DataError:
+        raise
+    except Exception as e:  # pandas / pyarrow / gzip parse errors: one line naming the file and the line
+        raise unreadable(path, e) from None
     raise DataError(f"{path}: unsupported file type; use .csv, .csv.gz, .jsonl, .json or .parquet")
+
+
+def _open_binary(path: Path):  # noqa: ANN202 - a file object
+    import gzip
+
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def unreadable(path: Path, e: BaseException) -> DataError:
+    """A data file that would not parse, as one line: what is wrong, where (its line), and the fix."""
+    import json
+
+    name = path.name.lower()
+    if path.stat().st_size == 0 or type(e).__name__ == "EmptyDataError":
+        return DataError(f"{path}: empty file; give a file with a header line (CSV) or rows")
+    try:
+        with _open_binary(path) as fh:
+            for i, raw in enumerate(fh, 1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as u:
+                    return DataError(f"{path}: line {i} is not UTF-8 (byte 0x{raw[u.start]:02x}); save the file as "
+                                     f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}")
+                if name.endswith((".jsonl", ".jsonl.gz")) and text.strip():
+                    try:
+                        json.loads(text)
+                    except ValueError as j:
+                        return DataError(f"{path}: line {i} is not valid JSON ({j.msg}); fix or "
+                                         f"remove that line")
+    except OSError as o:  # e.g. a .gz that is not gzip
+        return DataError(f"{path}: cannot be read ({o}); check the file")
+    if name.endswith(".parquet"):
+        return DataError(f"{path}: not a readable Parquet file ({e}); check the file")
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return DataError(f"{path}: cannot be parsed ({msg}); check the file's format")
 
 
 MISSING_WORDS = ("nan", "na", "n/a", "null", "none")  # a CSV cell holding one of these (any case) is missing
@@ -49,8 +89,12 @@ def label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColum
             values = pd.read_parquet(p, columns=[column])[column]
         else:
             values = read_table(p)[column]
-    except (KeyError, ValueError):  # no such column
-        return LabelColumn((), None, None, ())
+    except (KeyError, ValueError) as e:
+        if isinstance(e, UnicodeDecodeError) or type(e).__name__ in ("EmptyDataError", "ParserError"):
+            raise unreadable(p, e) from None
+        return LabelColumn((), None, None, ())  # no such column
+    except OSError as e:  # e.g. a .gz that is not gzip
+        raise unreadable(p, e) from None
     line0 = 2 if name.endswith((".csv", ".csv.gz")) else 1  # the file's line of row 0 (a CSV's header is line 1)
     text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
     blank = text.str.strip().eq("") | text.str.strip().str.lower().isin(MISSING_WORDS)
@@ -90,15 +134,18 @@ def header(path: str, size: int, mtime_ns: int) -> tuple[str, ...]:
 
     p = Path(path)
     name = p.name.lower()
-    if name.endswith((".csv", ".csv.gz")):
-        return tuple(str(c) for c in pd.read_csv(p, nrows=0).columns)
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        with gzip.open(p, "rt") if name.endswith(".gz") else p.open() as fh:
-            first = next((line for line in fh if line.strip()), "{}")
-        row = json.loads(first)
-        return tuple(map(str, row)) if isinstance(row, dict) else ()
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    try:
+        if name.endswith((".csv", ".csv.gz")):
+            return tuple(str(c) for c in pd.read_csv(p, nrows=0).columns)
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            with gzip.open(p, "rt") if name.endswith(".gz") else p.open() as fh:
+                first = next((line for line in fh if line.strip()), "{}")
+            row = json.loads(first)
+            return tuple(map(str, row)) if isinstance(row, dict) else ()
+        if name.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
-        return tuple(pq.read_schema(p).names)
+            return tuple(pq.read_schema(p).names)
+    except Exception as e:
+        raise unreadable(p, e) from None
     return tuple(columns(p))

@@ -5,6 +5,7 @@ Prefect defaults read it before Prefect is imported."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -30,3 +31,16 @@ PIPELINE_FILE = PROJECT_ROOT / "pipeline.yaml" if SOURCE_CHECKOUT else PACKAGED_
 def work_root() -> Path:
     """The folder relative state lives in (artifacts/, .prefect/): the checkout, else the current directory."""
     return PROJECT_ROOT if SOURCE_CHECKOUT else Path.cwd()
+
+
+def why_missing(path: Path) -> str:
+    """Why a path that does not exist is not there, in words: a symlink loop, a broken symlink, or none."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:
+            return "a symlink loop"
+        except OSError:
+            return f"a broken symlink (to {os.readlink(path)}, which does not exist)"
+        return "a symlink"
+    return "no such file or folder"

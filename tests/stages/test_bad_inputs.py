@@ -1,0 +1,71 @@
+"""Bad inputs a practitioner meets are one line naming the file (and line) and the fix, exit 2, before the
+store is created: empty and broken data files, wrong encodings, symlink loops, a model folder of pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+
+from stages.__main__ import main as main_plain
+
+SPLIT = "split: {mode: shuffle_concat, seed: 1, train: 1, validation: 1, test: 1}, subset: null"
+
+
+def make_data(tmp_path, case):
+    if case == "empty":
+        (tmp_path / "d.csv").write_bytes(b"")
+        return "d.csv", "d.csv: empty file; give a file with a header line (CSV) or rows"
+    if case == "broken-jsonl":
+        (tmp_path / "d.jsonl").write_text('{"text": "a", "label": 0}\n{"text": "b", "label": 1\n')
+        return "d.jsonl", "d.jsonl: line 2 is not valid JSON (Expecting ',' delimiter); fix or remove that line"
+    if case == "latin1":
+        (tmp_path / "d.csv").write_bytes(b"text,label\ngood,1\ncaf\xe9,0\n")
+        return "d.csv", "d.csv: line 3 is not UTF-8 (byte 0xe9); save the file as UTF-8, e.g. iconv -f latin1"
+    if case == "gzip-that-is-not":
+        (tmp_path / "d.csv.gz").write_text("text,label\na,1\n")
+        return "d.csv.gz", "d.csv.gz: cannot be read ("
+    if case == "symlink-loop":
+        os.symlink(tmp_path / "b.csv", tmp_path / "d.csv")
+        os.symlink(tmp_path / "d.csv", tmp_path / "b.csv")
+        return "d.csv", "d.csv: a symlink loop; give an existing CSV/JSONL/Parquet file"
+    if case == "broken-symlink":
+        os.symlink(tmp_path / "gone.csv", tmp_path / "d.csv")
+        return "d.csv", f"d.csv: a broken symlink (to {tmp_path / 'gone.csv'}, which does not exist)"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["empty", "broken-jsonl", "latin1", "gzip-that-is-not", "symlink-loop",
+                                  "broken-symlink"])
+def test_a_bad_data_file_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, case):
+    name, message = make_data(tmp_path, case)
+    (tmp_path / "p.yaml").write_text(f"pipelines:\n  p:\n    extends: tiny-imdb\n    data: {{source: local, "
+                                     f"path: {tmp_path / name}, {SPLIT}}}\n")
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    assert main_plain(["p", "--config", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("weights,message", [
+    ("pytorch_model.bin", "its weights are pickles (pytorch_model.bin), which are never loaded here (unpickling "
+                          "can run code); convert them to safetensors"),
+    (None, "no weights (*.safetensors) in the folder; give a folder saved with save_pretrained"),
+], ids=["pickle-only", "no-weights"])
+def test_a_model_folder_without_safetensors_is_one_line_at_plan_time(tmp_path, monkeypatch, capsys, weights,
+                                                                      message):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 30522}))
+    if weights:
+        (folder / weights).write_bytes(pickle.dumps({"w": 1}))
+    (tmp_path / "p.yaml").write_text(f"pipelines:\n  p:\n    extends: tiny-imdb\n    model: {{name: {folder}, "
+                                     f"from_config: null}}\n")
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    assert main_plain(["p", "--config", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: model.name {folder}: {message}" + err[0].split(message, 1)[-1]], err
+    assert not (tmp_path / "store").exists()
