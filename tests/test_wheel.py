@@ -96,6 +96,16 @@ def test_installed_wheel_runs_tiny_imdb_outside_the_repo(wheel, tmp_path):
     # the console script from the wheel reads the same store and finds every stage cached
     status = _sh([str(venv / "bin" / "finetune"), "inspect", "status", "tiny-imdb"], cwd=work, env=env)
     assert "7 of 7 stages cached" in status.stdout, status.stdout
+    # keys come from sources, not build output: the .pyc files pip compiled into the wheel's metric modules
+    # are in no key, so the checkout finds the wheel's artifacts cached, and so does a reinstall
+    assert list((purelib / "stages").rglob("__pycache__/*.pyc"))
+    checkout = _sh([sys.executable, "-m", "flows.inspect", "status", "tiny-imdb"], cwd=ROOT,
+                   env={**env, "FINETUNE_STORE": str(work / "artifacts")})
+    assert "7 of 7 stages cached" in checkout.stdout, checkout.stdout
+    _sh([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+         "--force-reinstall", str(wheel)], cwd=tmp_path, env=clean)
+    status = _sh([str(venv / "bin" / "finetune"), "inspect", "status", "tiny-imdb"], cwd=work, env=env)
+    assert "7 of 7 stages cached" in status.stdout, status.stdout
 
     # and runs the Prefect flow on it (every stage a store hit), its Prefect home under the current directory
     flow = _sh([str(venv / "bin" / "finetune"), "run", "tiny-imdb"], cwd=work, env=env)

@@ -181,6 +181,11 @@ def file_sha256(path: Path) -> str:
 PROCESS_MEMO = HashMemo()
 
 
+# what an install or an import writes beside the sources (pip compiles a wheel's .py files): never an input
+BUILD_DIRS = ("__pycache__",)
+BUILD_SUFFIXES = (".pyc", ".pyo")
+
+
 def inputs_digest(paths: Iterable[Path] | Mapping[str, Path], memo: HashMemo | None = None) -> dict[str, str]:
     """Content hashes of input files; a folder contributes every file under it (relative names). A file is
     named by its folder and name, or, given as {name: path}, by that name alone (its location then is not
@@ -192,8 +197,8 @@ def inputs_digest(paths: Iterable[Path] | Mapping[str, Path], memo: HashMemo | N
         p = Path(p)
         if p.is_dir():
             for root, dirs, files in os.walk(p):
-                dirs.sort()
-                for f in sorted(files):
+                dirs[:] = sorted(d for d in dirs if d not in BUILD_DIRS)
+                for f in sorted(f for f in files if not f.endswith(BUILD_SUFFIXES)):
                     fp = Path(root) / f
                     out[f"{name or p.name}/{fp.relative_to(p)}"] = memo.sha256(fp)
         elif p.exists():

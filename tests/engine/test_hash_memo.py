@@ -83,3 +83,16 @@ def test_a_garbage_memo_is_moved_aside_with_a_warning_and_rebuilt(tmp_path, read
     assert (tmp_path / ".state" / "hashes.sqlite.corrupt").read_bytes() == garbage
     HashMemo(db).sha256(f)  # rebuilt: a fresh process reads nothing again
     assert reads == ["x.txt"]
+
+
+def test_build_output_beside_sources_is_in_no_key(tmp_path):
+    module = tmp_path / "accuracy"
+    module.mkdir()
+    (module / "accuracy.py").write_text("x = 1\n")
+    before = inputs_digest([module])
+    (module / "__pycache__").mkdir()
+    (module / "__pycache__" / "accuracy.cpython-311.pyc").write_bytes(b"\x00compiled")
+    (module / "stale.pyc").write_bytes(b"\x00")
+    assert inputs_digest([module]) == before == {"accuracy/accuracy.py": hashlib.sha256(b"x = 1\n").hexdigest()}
+    (module / "accuracy.py").write_text("x = 2\n")
+    assert inputs_digest([module]) != before
