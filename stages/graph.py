@@ -79,6 +79,7 @@ GRAPH = Graph([
         inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
         resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         reports=True,  # its loss and time are a run's headline numbers
+        volatile=("metrics.jsonl", "tensorboard/*", "loss.png"),  # timings and event-file names: not the weights
         check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),

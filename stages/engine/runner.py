@@ -51,7 +51,8 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
     if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
         st.precheck(plan.cfg)
     outcome = store.run(sk, loaded(st.body), pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
-                        upstream_digests=digests, force=force, verify=plan.verify, args=context)
+                        upstream_digests=digests, force=force, verify=plan.verify, args=context,
+                        volatile=st.volatile)
     store.set_ref(plan.cfg.name, st.name, sk.key)
     return outcome
 

@@ -73,6 +73,10 @@ class Stage:
     joins: Callable[[PipelineConfig], str | None] | None = None
     # Its metrics are among a run's headline numbers (the run history, `inspect runs`).
     reports: bool = False
+    # Files of its artifact (fnmatch patterns) that record how a computation went (timings, event files
+    # named by time and pid), which no downstream stage reads: verified like the others, but out of the
+    # artifact's digest, so a retrain that reproduces its weights leaves the stages after it cached.
+    volatile: tuple[str, ...] = ()
 
 
 class ConfigView:

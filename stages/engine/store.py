@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import json
 import logging
 import os
@@ -167,7 +168,8 @@ def work_saved(folder: Path) -> None:
 
 
 def files_digest(files: list[dict[str, Any]]) -> str:
-    return sha256_text(canonical_json({f["path"]: f["sha256"] for f in files}))
+    """What downstream stages see of an artifact: its files' hashes, the volatile ones left out."""
+    return sha256_text(canonical_json({f["path"]: f["sha256"] for f in files if not f.get("volatile")}))
 
 
 class Store:
@@ -421,7 +423,8 @@ class Store:
 
     def run(self, sk: StageKey, body: Callable[..., dict[str, Any] | None], *, pipeline: str, config: dict[str, Any],
             upstream_digests: dict[str, str] | None = None, force: bool = False, verify: bool = False,
-            args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work)) -> Outcome:
+            args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work),
+            volatile: tuple[str, ...] = ()) -> Outcome:
         """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
         body(*args(tmp_dir, work_dir)) -> metrics and committed (default: body(tmp_dir, work_dir)). tmp_dir
         becomes the artifact; work_dir persists across crashes until the commit. `force`: no lookup at all
@@ -454,7 +457,7 @@ class Store:
             try:
                 metrics = body(*args(tmp, work)) or {}
                 manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
-                                                time.perf_counter() - t0, reason, replaces)
+                                                time.perf_counter() - t0, reason, replaces, volatile)
                 self.commit_folder(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed body or manifest write leaves nothing behind
@@ -540,13 +543,15 @@ class Store:
 
     def _write_manifest(self, tmp: Path, sk: StageKey, pipeline: str, config: dict, upstream_digests: dict,
                         metrics: dict, started: str, duration: float, reason: str,
-                        replaces: str | None) -> dict[str, Any]:
+                        replaces: str | None, volatile: tuple[str, ...] = ()) -> dict[str, Any]:
         files = []
         for p in sorted(tmp.rglob("*")):
             if p.is_file() and p.name != MANIFEST:
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
-                files.append({"path": str(p.relative_to(tmp)), "size": p.stat().st_size, "sha256": file_sha256(p)})
+                rel = str(p.relative_to(tmp))
+                files.append({"path": rel, "size": p.stat().st_size, "sha256": file_sha256(p),
+                              **({"volatile": True} if any(fnmatch.fnmatch(rel, v) for v in volatile) else {})})
         manifest = {
             "key": sk.key,
             "stage": sk.stage,
