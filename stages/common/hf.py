@@ -35,6 +35,7 @@ PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 def check_model_folder(cfg: PipelineConfig) -> None:
     """At plan time, a local model folder: weights this project loads (safetensors; pickles never are) and
     code it may run (check_remote_code)."""
+    check_remote_code(cfg)  # first: for a folder with its own code, the flag is what to know about
     m = cfg.model
     _, _, local = split_gguf(m.name, m.gguf_file) if not m.from_config else ("", {}, None)
     if local is not None and local.is_dir() and (local / "config.json").is_file() \
@@ -46,7 +47,6 @@ def check_model_folder(cfg: PipelineConfig) -> None:
                               f"machine you trust (model.save_pretrained(folder, safe_serialization=True))")
         raise ConfigError(f"model.name {local}: no weights (*.safetensors) in the folder; give a folder saved "
                           f"with save_pretrained, a .gguf file, or set model.from_config for random weights")
-    check_remote_code(cfg)
 
 
 def check_remote_code(cfg: PipelineConfig) -> None:

@@ -60,7 +60,7 @@ def unreadable(path: Path, e: BaseException) -> DataError:
                 if name.endswith((".jsonl", ".jsonl.gz")) and text.strip():
                     try:
                         json.loads(text)
-                    except ValueError as j:
+                    except json.JSONDecodeError as j:
                         return DataError(f"{path}: line {i} is not valid JSON ({j.msg}); fix or "
                                          f"remove that line")
     except OSError as o:  # e.g. a .gz that is not gzip

@@ -80,7 +80,7 @@ class RemoteStore(Store):
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def problems(self, stage: str, key: str, verify: bool = False) -> list[str]:
+    def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
         manifest = self.read_manifest(stage, key)
         if manifest is None:
             return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"]
@@ -262,7 +262,8 @@ class RemoteStore(Store):
         self.local._release_live(local)
 
     def live_keys(self) -> set[tuple[str, str]]:
-        keep, folder = set(), self._r(".live")
+        keep: set[tuple[str, str]] = set()
+        folder = self._r(".live")
         if not self.fs.exists(folder):
             return keep
         self.fs.invalidate_cache(folder)

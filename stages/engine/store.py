@@ -250,7 +250,7 @@ class Store:
 
     def live_keys(self) -> set[tuple[str, str]]:
         """(stage, key) of every plan a live run on this store protects; a dead run's record is removed."""
-        folder, keep = self.root / ".state" / "live", set()
+        folder, keep = self.root / ".state" / "live", set[tuple[str, str]]()
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
                 with open(path) as fh:
