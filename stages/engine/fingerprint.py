@@ -140,6 +140,18 @@ class HashMemo:
                     db.execute("INSERT OR REPLACE INTO derived VALUES (?, ?)", (key, json.dumps(value)))
         return value
 
+    def remember(self, path: Path, sha256: str) -> None:
+        """Record a hash just computed elsewhere (a file hashed in its temporary folder, then renamed in)."""
+        st = path.stat()
+        memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        with self._lock:
+            self._mem[memo] = sha256
+            db = self._conn()
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error), db:
+                    db.execute("DELETE FROM hashes WHERE path=?", memo[:1])
+                    db.execute("INSERT OR REPLACE INTO hashes VALUES (?,?,?,?,?,?)", (*memo, sha256))
+
     def sha256(self, path: Path) -> str:
         st = path.stat()
         memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

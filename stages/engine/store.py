@@ -459,6 +459,10 @@ class Store:
                 manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
                                                 time.perf_counter() - t0, reason, replaces, volatile)
                 self.commit_folder(tmp, final)
+                with contextlib.suppress(OSError):  # the downstream stages' upstream check rereads none of it
+                    memo = self.local.hashes()
+                    for f in manifest["files"]:
+                        memo.remember(final / f["path"], f["sha256"])
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)  # a failed body or manifest write leaves nothing behind
                 raise

@@ -10,6 +10,7 @@ import pytest
 from helpers import computed, needs_shared_data
 
 from flows.reports.inspect_cli import main as inspect_main
+from stages.engine import fingerprint
 from stages.engine.errors import CorruptArtifactError
 from stages.engine.store import Store
 
@@ -51,3 +52,18 @@ def test_inspect_verify_lists_corrupt_artifacts_exit_1_and_quarantines_them(stor
     assert [s for s, _, _ in Store(store_dir).entries()] == ["data"]
     assert computed(helpers.run("tiny-imdb", *SMALL, until="tokenize")) == {"tokenize"}
     assert inspect_main(["verify"]) == 0
+
+
+def test_the_upstream_check_rereads_nothing_a_run_just_committed(store_dir, monkeypatch):
+    """The commit remembers each file's hash in the memo (computed for the manifest), so the next stage's
+    check costs a stat per upstream file, not a read."""
+    hashed: list[str] = []
+    real = fingerprint.file_sha256
+    monkeypatch.setattr(fingerprint, "file_sha256", lambda p: hashed.append(str(p)) or real(p))
+    out = helpers.run("tiny-imdb", *SMALL, until="tokenize")
+    data = str(out["data"].path)
+    assert not [p for p in hashed if p.startswith(data)], hashed
+    flip(out["data"].path / "train.arrow")  # and a change is still seen: its stat changed
+    with pytest.raises(CorruptArtifactError):
+        helpers.run("tiny-imdb", *SMALL, "tokenize.max_length=64", until="tokenize")
+    assert [p for p in hashed if p.startswith(data)] == [str(out["data"].path / "train.arrow")]
