@@ -5,7 +5,7 @@ is not imported, no stage runs).
     finetune inspect show PIPELINE STAGE       the stage's manifest (JSON)
     finetune inspect path PIPELINE STAGE       the stage's artifact folder
     finetune inspect verify [PIPELINE] [--quarantine] [--json]   every file against its manifest's sha256
-    finetune inspect gc [--force] [--keep-refs] [--min-age MINUTES] [--json]
+    finetune inspect gc [--force] [--drop PIPELINE] [--current-only] [--min-age MINUTES] [--json]
     finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
     finetune inspect runs [PIPELINE] [--sweep NAME] [--json | --csv]
@@ -93,8 +93,12 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
     pipeline_args(pa, stage=True)
     g = sub.add_parser("gc", help="artifacts that no pipeline's current keys reach (dry run unless --force)")
     g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
-    g.add_argument("--keep-refs", action="store_true", help="also keep what each pipeline last ran "
-                   "(refs/, e.g. runs with overrides)")
+    g.add_argument("--drop", action="append", default=[], metavar="PIPELINE", help="forget what this pipeline "
+                   "last ran (repeatable): by default gc keeps, besides the current keys of the file's pipelines, "
+                   "what every pipeline that ran on the store last ran (refs/), a --set variant or a pipeline of "
+                   "your own file included")
+    g.add_argument("--current-only", action="store_true", help="keep only the current keys of the file's "
+                   "pipelines (what earlier releases did; --keep-refs was the opposite)")
     g.add_argument("--min-age", type=float, default=10.0, metavar="MINUTES", help="keep artifacts committed and "
                    "work written less than this many minutes ago (default 10; a live run's keys are always kept)")
     add_config_option(g)
@@ -248,8 +252,8 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
-    garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=args.keep_refs,
-                 min_age_s=args.min_age * 60)
+    garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=not args.current_only,
+                 min_age_s=args.min_age * 60, drop=args.drop)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
         print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,

@@ -225,6 +225,10 @@ class RemoteStore(Store):
         return sorted(p.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
                       for p in self.fs.ls(folder, detail=False) if p.endswith(".json"))
 
+    def drop_ref(self, pipeline: str) -> None:
+        with self.lock(f"refs-{pipeline}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._r("refs", f"{pipeline}.json"))
+
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -263,7 +264,8 @@ class Garbage:
 
 
 def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
-                   keep_refs: bool = False, invalid: dict[tuple[str, str], str] | None = None) -> set[tuple[str, str]]:
+                   keep_refs: bool = True, invalid: dict[tuple[str, str], str] | None = None,
+                   skip_refs: set[str] | None = None) -> set[tuple[str, str]]:
     """(stage, key) of every stage of every pipeline in the file, for its current config. A pipeline
     that cannot be planned stops gc: deleting what it might reach would be a guess. `invalid` collects the
     reachable artifacts the hit rule rejects on their own files (corrupt, a malformed manifest): the next
@@ -288,10 +290,8 @@ def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFA
         if unknown:
             keep |= {(stage, key) for stage, key, _ in store.entries() if stage in unknown
                      and (store.read_manifest(stage, key) or {}).get("pipeline") == name}
-        if keep_refs:
-            keep |= set(store.refs(name).items())
-    if keep_refs:  # refs of pipelines no longer in the file, too
-        for name in store.ref_names():
+    if keep_refs:  # what each pipeline that ran here last ran, in this file or not
+        for name in set(store.ref_names()) - (skip_refs or set()):
             keep |= set(store.refs(name).items())
     return keep
 
@@ -335,14 +335,25 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
 
 
 def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
-       keep_refs: bool = False, min_age_s: float = 0.0) -> list[Garbage]:
-    """Unreachable or invalid artifacts and work (removed with `force`), under the store-wide gc lock: a run
-    registers its plan under that lock, so every key a live run reads or writes is kept, and one that starts
-    during the sweep waits for it. Artifacts committed and work written less than `min_age_s` ago are kept."""
+       keep_refs: bool = True, min_age_s: float = 0.0, drop: Iterable[str] = ()) -> list[Garbage]:
+    """Unreachable or invalid artifacts and work (removed with `force`). Reachable: the current keys of the
+    file's pipelines and (keep_refs) what every pipeline that ran on the store last ran (its ref; a user's own
+    pipeline file is not needed to keep its work), until it is dropped on purpose (`drop`: those pipelines'
+    refs are removed first, with `force`). Under the store-wide gc lock: a run registers its plan under that
+    lock, so every key a live run reads or writes is kept, and one that starts during the sweep waits for it.
+    Artifacts committed and work written less than `min_age_s` ago are kept."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
+    dropped = list(drop)
+    unknown = [n for n in dropped if n not in store.ref_names()]
+    if unknown:
+        raise ConfigError(f"--drop {unknown[0]}: no pipeline of that name ran on store {store} (pipelines with "
+                          f"refs: {', '.join(store.ref_names()) or 'none'})")
+    if force:
+        for name in dropped:
+            store.drop_ref(name)
     invalid: dict[tuple[str, str], str] = {}
-    keep = reachable_keys(store, graph, pipelines_file, keep_refs, invalid)
+    keep = reachable_keys(store, graph, pipelines_file, keep_refs, invalid, skip_refs=set(dropped))
     with store.lock(GC_LOCK, "gc"):
         live = store.live_keys()
         garbage = find_garbage(store, keep | live, invalid)

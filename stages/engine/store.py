@@ -375,6 +375,11 @@ class Store:
         folder = self.root / "refs"
         return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
 
+    def drop_ref(self, pipeline: str) -> None:
+        """Forget what `pipeline` last ran (gc then keeps only its current keys, if it is in the file)."""
+        with self.lock(f"refs-{pipeline}"), contextlib.suppress(FileNotFoundError):
+            (self.root / "refs" / f"{pipeline}.json").unlink()
+
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")

@@ -28,7 +28,7 @@ def test_gc_in_a_loop_beside_a_running_variant_takes_nothing_it_reads_or_commits
     during, after, sweeps = [], [], 0
     while proc.poll() is None or not sweeps:
         if store.exists():
-            took = [(g.stage, g.key) for g in gc(store, GRAPH, force=True) if g.removed]
+            took = [(g.stage, g.key) for g in gc(store, GRAPH, force=True, keep_refs=False) if g.removed]
             if any(live.glob("*.json")):  # registered all through that sweep (a run registers once)
                 during += took
                 sweeps += 1
@@ -42,7 +42,7 @@ def test_gc_in_a_loop_beside_a_running_variant_takes_nothing_it_reads_or_commits
     assert sweeps > 10 and during == [], (sweeps, during)
     assert list(live.glob("*.json")) == []  # the run dropped its registration
     # the run is over: what of its variant no pipeline reaches (model and adapters tiny-imdb's own) is taken
-    after += [(g.stage, g.key) for g in gc(store, GRAPH, force=True) if g.removed]
+    after += [(g.stage, g.key) for g in gc(store, GRAPH, force=True, keep_refs=False) if g.removed]
     assert {stage for stage, _ in after} == {"data", "tokenize", "train", "evaluate", "export"}
 
 
@@ -75,7 +75,7 @@ def test_on_a_shared_store_a_live_run_is_a_lease_that_runs_out(tmp_path, monkeyp
 def test_an_artifact_younger_than_min_age_is_listed_and_kept(store_dir):
     helpers.run("tiny-imdb", "data.subset={train: 8, validation: 4, test: 4}", until="data")  # a variant: unreachable
     store = Store(store_dir)
-    young = gc(store, GRAPH, force=True, min_age_s=600)
+    young = gc(store, GRAPH, force=True, min_age_s=600, keep_refs=False)
     assert [(g.stage, g.young, g.removed, g.note) for g in young] == [
         ("data", True, False, "newer than 10 min; kept (--min-age)")]
-    assert [(g.stage, g.removed) for g in gc(store, GRAPH, force=True)] == [("data", True)]
+    assert [(g.stage, g.removed) for g in gc(store, GRAPH, force=True, keep_refs=False)] == [("data", True)]

@@ -107,7 +107,8 @@ def test_gc_dry_run_lists_only_unreachable(env, capsys):
     (store_root / ".work" / f"train-{'e' * 64}").mkdir(parents=True)  # a dead run's scratch
     before = sorted(p.relative_to(store_root) for p in store_root.rglob("*"))
 
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
+    # --current-only: only the current keys of the file's pipelines are reachable
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--current-only", "--json")
     report = json.loads(out)
     assert rc == 0 and report["dry_run"]
     assert [(g["kind"], g["stage"], g["key"]) for g in report["items"]] == [
@@ -115,11 +116,15 @@ def test_gc_dry_run_lists_only_unreachable(env, capsys):
     assert not any(g["removed"] for g in report["items"])
     assert sorted(p.relative_to(store_root) for p in store_root.rglob("*")) == before  # dry run: untouched
 
-    # --keep-refs keeps what the pipeline last ran (the max_length=64 tokenize)
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--keep-refs", "--json")
+    # by default what each pipeline last ran (its ref: the max_length=64 tokenize) is kept, --config or not
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
     assert [g["stage"] for g in json.loads(out)["items"]] == ["train"]
+    rc, out = inspect(capsys, "gc", "--json")
+    assert orphan not in out
 
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--force", "--min-age", "0")
+    # until the pipeline's last run is dropped on purpose
+    assert inspect(capsys, "gc", "--drop", "nope", "--json")[0] == 2
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--drop", PIPELINE, "--force", "--min-age", "0")
     assert rc == 0 and "removed 2 of 2" in out
     assert not (store_root / "tokenize" / orphan).exists()
     assert not (store_root / ".work" / f"train-{'e' * 64}").exists()
@@ -194,10 +199,13 @@ def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
     assert by["data"]["status"] == by["tokenize"]["status"] == "cached" and by["model"]["status"] == "missing"
     assert by["tokenize"]["path"] == f"{url}/tokenize/{by['tokenize']['key']}"
 
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")  # the pipeline's last run (its ref) kept
+    assert json.loads(out)["items"] == []
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--current-only", "--json")
     assert [(g["stage"], g["key"]) for g in json.loads(out)["items"]] == [("tokenize", orphan)]
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--force", "--min-age", "0")
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--drop", PIPELINE, "--force", "--min-age", "0")
     assert "removed 1 of 1" in out and store.problems("tokenize", orphan) == ["not in store"]
+    assert store.ref_names() == []  # dropped on the shared store
     assert store.problems("tokenize", by["tokenize"]["key"]) == []
 
 
