@@ -8,6 +8,8 @@ flows/orchestration/ calls the functions below.
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import importlib
 import logging
 import os
@@ -87,8 +89,17 @@ TEMPORARY_SERVER_HINT = Workaround(
     "Prefect server.`, in one INFO record with no setting to turn it off; the README and docs/deployments.md "
     "say how to run a server (`finetune server`), so a filter on that logger keeps the first line only.")
 
+FIRST_START = Workaround(
+    "one first start per Prefect home", ">=3.9,<3.10", "prefect.server.api.server",
+    ("_memoize_block_auto_registration",),
+    "commands started at once on a fresh PREFECT_HOME each start a temporary server, and each server migrates "
+    "the database and registers Prefect's block types at start: the concurrent first starts raced (sqlite "
+    "IntegrityError on block_schema, tracebacks in two of three runs). server_watch.py does both once, under a "
+    "file lock in the home, before its server starts; registration goes through the server's own memo "
+    "(_memoize_block_auto_registration), so the server then skips it.")
+
 WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBACK, TASK_RUN_NAMES,
-               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT)
+               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START)
 
 # the loggers on which the engine logs a failed run's exception (ENGINE_TRACEBACK)
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
@@ -119,6 +130,38 @@ def start_temporary_server_in_own_session() -> None:
     import prefect.server.api.server as temporary_server
 
     temporary_server.subprocess = _ServerInOwnSession()
+
+
+def prepare_database_once() -> None:
+    """FIRST_START: the database migrated and the block types registered for this Prefect version, by one
+    process at a time per home (a marker file records it; the lock's holder does it, the others find it done)."""
+    import prefect
+    from prefect.server.api.server import _memoize_block_auto_registration
+    from prefect.server.database import provide_database_interface
+    from prefect.server.models.block_registration import run_block_auto_registration
+    from prefect.settings import PREFECT_HOME
+
+    home = Path(PREFECT_HOME.value())
+    done = home / f".prepared-{prefect.__version__}"
+    if done.exists():
+        return
+
+    @_memoize_block_auto_registration
+    async def register_blocks() -> None:
+        db = provide_database_interface()
+        async with await db.session() as session:
+            await run_block_auto_registration(session=session)
+
+    async def prepare() -> None:
+        await provide_database_interface().create_db()
+        await register_blocks()
+
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another start preparing: wait for it, then find it done
+        if not done.exists():
+            asyncio.run(prepare())
+            done.touch()
 
 
 class _FirstLineOfServerStart(logging.Filter):

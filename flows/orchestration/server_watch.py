@@ -7,27 +7,21 @@ server to stop (SIGTERM: uvicorn's graceful shutdown) and ends the process 5 s l
 Polling, not prctl(PR_SET_PDEATHSIG): that signal follows the *thread* that started the process, and
 Prefect may start its server from a worker thread that ends long before the command does.
 
-Before the server starts, its database is brought up to date once per Prefect version and home, under a file
-lock in PREFECT_HOME: commands started at once on a fresh home (three `finetune run`, a sweep's children) each
-start a temporary server, and their concurrent first migrations raced (two of three printed ~200-line
-tracebacks). The server's own migration at start then finds the database current.
+Before the server starts, its database is prepared once per Prefect version and home, under a file lock in
+PREFECT_HOME (compat_prefect.FIRST_START): commands started at once on a fresh home each start a temporary
+server, and their concurrent first starts raced (migrations, block registration: tracebacks).
 """
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import os
 import runpy
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
-import prefect
-from prefect.server.database import provide_database_interface
-from prefect.settings import PREFECT_HOME
+from flows.orchestration.compat_prefect import prepare_database_once
 
 POLL_S = 0.5
 GRACE_S = 5.0
@@ -41,24 +35,10 @@ def watch(parent: int) -> None:
     os._exit(1)
 
 
-def migrate_once() -> None:
-    """The database migrated to this Prefect version's head, by one process at a time per home."""
-    home = Path(PREFECT_HOME.value())
-    done = home / f".migrated-{prefect.__version__}"
-    if done.exists():
-        return
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / ".migrate.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another start migrating: wait for it, then find it done
-        if not done.exists():
-            asyncio.run(provide_database_interface().create_db())
-            done.touch()
-
-
 def main() -> None:
     parent, module, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     threading.Thread(target=watch, args=(parent,), daemon=True, name="parent-watch").start()
-    migrate_once()
+    prepare_database_once()
     sys.argv = [module, *args]
     sys.path[0] = os.getcwd()  # as `python -m` has it (not this file's folder)
     runpy.run_module(module, run_name="__main__", alter_sys=True)

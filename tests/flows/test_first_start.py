@@ -1,7 +1,7 @@
 """Prefect's first start on a fresh home: `finetune run`s started at once each start a temporary server; the
-database is migrated once, under a lock (flows/orchestration/server_watch.py), and no run prints a traceback
-(their concurrent first migrations raced: two of three printed ~200-line tracebacks in the issue's probe; the
-race is timing-dependent and did not show here without the lock, the marker of the one migration does)."""
+database is prepared once, under a lock (flows/orchestration/server_watch.py), and no run prints a traceback
+(their concurrent first starts raced: the migration, then the block types' registration, an IntegrityError on
+block_schema with a traceback)."""
 
 from __future__ import annotations
 
@@ -26,4 +26,4 @@ def test_runs_started_at_once_on_a_fresh_prefect_home_migrate_once_and_print_no_
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
         assert "Traceback" not in out and "OperationalError" not in out, out[-3000:]
-    assert (home / f".migrated-{prefect.__version__}").is_file()
+    assert (home / f".prepared-{prefect.__version__}").is_file()
