@@ -39,7 +39,7 @@ def test_gc_in_a_loop_beside_a_running_variant_takes_nothing_it_reads_or_commits
     out = proc.communicate()[0]
     assert proc.returncode == 0, out[-3000:]  # evaluate and export read what train committed
     assert re.findall(r"^  (\w+) +computed", out, re.M) == [s.name for s in GRAPH], out[-3000:]
-    assert sweeps > 10 and during == [], (sweeps, during)
+    assert sweeps >= 3 and during == [], (sweeps, during)  # a sweep plans every pipeline: seconds under load
     assert list(live.glob("*.json")) == []  # the run dropped its registration
     # the run is over: what of its variant no pipeline reaches (model and adapters tiny-imdb's own) is taken
     after += [(g.stage, g.key) for g in gc(store, GRAPH, force=True, keep_refs=False) if g.removed]
