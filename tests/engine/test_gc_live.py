@@ -57,14 +57,14 @@ def test_a_live_registration_protects_its_keys_and_a_dead_ones_does_not(tmp_path
     assert store.live_keys() == set() and not dead.exists()
 
 
-@pytest.mark.parametrize("ttl", ["1"])
+@pytest.mark.parametrize("ttl", ["2"])
 def test_on_a_shared_store_a_live_run_is_a_lease_that_runs_out(tmp_path, monkeypatch, ttl):
     monkeypatch.setenv("FINETUNE_LEASE_TTL_S", ttl)
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     store = open_store(f"memory://gc-live-{uuid.uuid4().hex[:8]}")
     keys = [("train", "a" * 64)]
     with store.protecting(keys):
-        time.sleep(1.5)  # past one TTL: the heartbeat (every TTL/4) kept it alive
+        time.sleep(2.5)  # past one TTL: the heartbeat (every TTL/4) kept it alive
         assert store.live_keys() == set(keys)
     assert store.live_keys() == set()
     lease = store.fs.ls(store._r(".live"), detail=False) if store.fs.exists(store._r(".live")) else []
