@@ -143,12 +143,14 @@ class HashMemo:
     def remember(self, path: Path, sha256: str) -> None:
         """Record a hash just computed elsewhere (a file hashed in its temporary folder, then renamed in)."""
         st = path.stat()
-        memo = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        self._record((str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns), sha256)
+
+    def _record(self, memo: tuple, sha256: str) -> None:
         with self._lock:
             self._mem[memo] = sha256
             db = self._conn()
             if db is not None:
-                with contextlib.suppress(sqlite3.Error), db:
+                with contextlib.suppress(sqlite3.Error), db:  # an unwritable memo only costs a re-hash
                     db.execute("DELETE FROM hashes WHERE path=?", memo[:1])
                     db.execute("INSERT OR REPLACE INTO hashes VALUES (?,?,?,?,?,?)", (*memo, sha256))
 
@@ -169,16 +171,7 @@ class HashMemo:
                     self._mem[memo] = row[0]
                     return row[0]
         value = file_sha256(path)
-        with self._lock:
-            self._mem[memo] = value
-            db = self._conn()
-            if db is not None:
-                try:
-                    with db:
-                        db.execute("DELETE FROM hashes WHERE path=?", memo[:1])
-                        db.execute("INSERT OR REPLACE INTO hashes VALUES (?,?,?,?,?,?)", (*memo, value))
-                except sqlite3.Error:
-                    pass
+        self._record(memo, value)
         return value
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from stages.engine.errors import ConfigError
 
@@ -17,6 +20,16 @@ def name_problem(name: str) -> str | None:
     if not SAFE_NAME.fullmatch(name) or ".." in name:
         return f"{name!r} is not a name: use {RULE}"
     return None
+
+
+def _a_name(value: str) -> str:
+    if problem := name_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+# a pipeline's or a sweep's name in the schemas: refused (one line, at load) when it is a path of its own
+Name = Annotated[str, AfterValidator(_a_name)]
 
 
 def inside(root: Path, path: Path) -> Path:

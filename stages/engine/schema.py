@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.fields import FieldInfo
 
 from stages.engine.choices import choice_of
-from stages.engine.names import name_problem
+from stages.engine.names import Name
 from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
@@ -421,15 +421,8 @@ CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train
 class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(..., description="the pipeline's name, its key under `pipelines:` (set by the loader)")
+    name: Name = Field(..., description="the pipeline's name, its key under `pipelines:` (set by the loader)")
     description: str = Field("", description="one line shown in listings and on the export card")
-
-    @field_validator("name")
-    @classmethod
-    def _a_name_not_a_path(cls, v: str) -> str:
-        if problem := name_problem(v):
-            raise ValueError(problem)
-        return v
 
     extends: str | None = runtime(None, description="another pipeline whose settings this one is deep-merged "
                                   "over (only the merged values reach the keys)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.engine.names import name_problem
+from stages.engine.names import Name
 
 
 class SweepConfig(BaseModel):
@@ -14,15 +14,8 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `python -m "
+    name: Name = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `python -m "
                       "flows.sweep NAME`, deployment sweep/NAME, UI artifact sweep-NAME, folder sweeps/NAME of the store")
-    @field_validator("name")
-    @classmethod
-    def _a_name_not_a_path(cls, v: str) -> str:
-        if problem := name_problem(v):
-            raise ValueError(problem)
-        return v
-
     description: str = Field("", description="one line shown with the comparison")
     pipeline: str = Field(..., description="the base pipeline (a name under `pipelines:`) every variant starts from")
     set: dict[str, Any] = Field(default_factory=dict, description="overrides applied to every variant, "
