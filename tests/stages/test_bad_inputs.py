@@ -14,27 +14,28 @@ from stages.__main__ import main as main_plain
 SPLIT = "split: {mode: shuffle_concat, seed: 1, train: 1, validation: 1, test: 1}, subset: null"
 
 
+# case -> (file name, its bytes, the line's words); the symlink cases are made in make_data
+FILES = {
+    "empty": ("d.csv", b"", "d.csv: empty file; give a file with a header line (CSV) or rows"),
+    "broken-jsonl": ("d.jsonl", b'{"text": "a", "label": 0}\n{"text": "b", "label": 1\n',
+                     "d.jsonl: line 2 is not valid JSON (Expecting ',' delimiter); fix or remove that line"),
+    "latin1": ("d.csv", b"text,label\ngood,1\ncaf\xe9,0\n",
+               "d.csv: line 3 is not UTF-8 (byte 0xe9); save the file as UTF-8, e.g. iconv -f latin1"),
+    "gzip-that-is-not": ("d.csv.gz", b"text,label\na,1\n", "d.csv.gz: cannot be read ("),
+}
+
+
 def make_data(tmp_path, case):
-    if case == "empty":
-        (tmp_path / "d.csv").write_bytes(b"")
-        return "d.csv", "d.csv: empty file; give a file with a header line (CSV) or rows"
-    if case == "broken-jsonl":
-        (tmp_path / "d.jsonl").write_text('{"text": "a", "label": 0}\n{"text": "b", "label": 1\n')
-        return "d.jsonl", "d.jsonl: line 2 is not valid JSON (Expecting ',' delimiter); fix or remove that line"
-    if case == "latin1":
-        (tmp_path / "d.csv").write_bytes(b"text,label\ngood,1\ncaf\xe9,0\n")
-        return "d.csv", "d.csv: line 3 is not UTF-8 (byte 0xe9); save the file as UTF-8, e.g. iconv -f latin1"
-    if case == "gzip-that-is-not":
-        (tmp_path / "d.csv.gz").write_text("text,label\na,1\n")
-        return "d.csv.gz", "d.csv.gz: cannot be read ("
+    if case in FILES:
+        name, content, message = FILES[case]
+        (tmp_path / name).write_bytes(content)
+        return name, message
     if case == "symlink-loop":
         os.symlink(tmp_path / "b.csv", tmp_path / "d.csv")
         os.symlink(tmp_path / "d.csv", tmp_path / "b.csv")
         return "d.csv", "d.csv: a symlink loop; give an existing CSV/JSONL/Parquet file"
-    if case == "broken-symlink":
-        os.symlink(tmp_path / "gone.csv", tmp_path / "d.csv")
-        return "d.csv", f"d.csv: a broken symlink (to {tmp_path / 'gone.csv'}, which does not exist)"
-    raise AssertionError(case)
+    os.symlink(tmp_path / "gone.csv", tmp_path / "d.csv")  # broken-symlink
+    return "d.csv", f"d.csv: a broken symlink (to {tmp_path / 'gone.csv'}, which does not exist)"
 
 
 @pytest.mark.parametrize("case", ["empty", "broken-jsonl", "latin1", "gzip-that-is-not", "symlink-loop",
