@@ -245,8 +245,10 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             else human_bytes(store.size(s, k))
         rows.append([s, k[:12], "; ".join(p[:3]) + (f" (+{len(p) - 3} more)" if len(p) > 3 else ""), where])
     print(render_table(rows))
+    quarantine = command("flows.inspect", "verify", *([args.pipeline] if args.pipeline else []), "--quarantine",
+                         config=args.config, overrides=args.overrides)
     print(f"{len(bad)} of {len(items)} artifacts corrupt" + ("" if args.quarantine else
-          f"; {command('flows.inspect', 'verify', '--quarantine')} moves them aside, or rerun with --verify "
+          f"; {quarantine} moves them aside, or rerun with --verify "
           f"to recompute them"))
     return 1
 
@@ -267,11 +269,14 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         result = ("removed" if g.removed else g.note) if args.force else g.note
         rows.append([g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes), result])
     print(render_table(rows))
+    # the dry run's selection, repeated in the command it prints
+    selection = [*(a for n in args.drop for a in ("--drop", n)), *(["--current-only"] if args.current_only else []),
+                 *(["--min-age", f"{args.min_age:g}"] if args.min_age != 10.0 else [])]
     if args.force:
         freed = sum(g.size_bytes for g in garbage if g.removed)
         print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
     else:
         print(f"{len(garbage)} unreachable or invalid, {human_bytes(total)}; dry run: nothing removed "
-              f"({command('flows.inspect', 'gc', '--force', config=args.config)} to remove)")
+              f"({command('flows.inspect', 'gc', '--force', *selection, config=args.config)} to remove)")
     return 0
 
