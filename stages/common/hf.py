@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from stages.common.hub import ensure_hub_reachable, hub_identity, resolve_local
+from stages.common.hub import ensure_hub_reachable, hub_config_file, hub_identity, resolve_local
 from stages.engine.errors import ConfigError
 from stages.engine.schema import PipelineConfig
 
@@ -50,18 +50,24 @@ def check_model_folder(cfg: PipelineConfig) -> None:
 
 
 def check_remote_code(cfg: PipelineConfig) -> None:
-    """A model folder whose config.json maps to its own Python (`auto_map`, a model type transformers lacks):
-    refused while model.trust_remote_code is off (ConfigError naming the flag), announced by a warning
-    every run while it is on. A hub id is checked by transformers when it loads."""
+    """A model whose config.json maps to its own Python (`auto_map`, a model type transformers lacks), in a local
+    folder or a hub repo (its config.json from the HF cache, or fetched alone): refused while
+    model.trust_remote_code is off (ConfigError naming the flag), announced by a warning every run while it is on."""
     m = cfg.model
     if m.from_config:
         return
     _, _, local = split_gguf(m.name, m.gguf_file)
-    folder = local if local is not None and local.is_dir() else None
+    if local is not None:
+        where = str(local)
+        config_file = local / "config.json" if local.is_dir() and (local / "config.json").is_file() else None
+    else:
+        where = f"{m.name} (hub)"
+        config_file = hub_config_file(m.name, m.revision)
     code: list[str] = []
-    if folder is not None and (folder / "config.json").is_file():
+    config: Any = None
+    if config_file is not None:
         try:
-            config = json.loads((folder / "config.json").read_text())
+            config = json.loads(config_file.read_text())
         except (OSError, ValueError):
             return  # not JSON: loading says so
         auto_map = config.get("auto_map") if isinstance(config, dict) else None
@@ -72,10 +78,10 @@ def check_remote_code(cfg: PipelineConfig) -> None:
                 refs = [v for vs in auto_map.values() for v in (vs if isinstance(vs, list) else [vs]) if v]
                 code = sorted({f"{str(r).split('--')[-1].rsplit('.', 1)[0]}.py" for r in refs})
     if m.trust_remote_code:
-        what = f"{folder}'s Python files ({', '.join(code)})" if code else f"Python files that {m.name} ships"
+        what = f"{where}'s Python files ({', '.join(code)})" if code else f"Python files that {m.name} ships"
         log.warning("model.trust_remote_code is on: %s will run in this process, with your permissions", what)
     elif code:
-        raise ConfigError(f"model.name {folder}: its config.json asks to run its own Python ({', '.join(code)}; "
+        raise ConfigError(f"model.name {where}: its config.json asks to run its own Python ({', '.join(code)}; "
                           f"model type {config.get('model_type')!r} is not in transformers); set "
                           f"model.trust_remote_code: true if you trust that code (it runs in this process)")
 

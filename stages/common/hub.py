@@ -46,6 +46,21 @@ def in_hf_cache(repo_id: str, revision: str | None = None) -> bool:
     return False
 
 
+def hub_config_file(repo_id: str, revision: str | None = None) -> Path | None:
+    """The config.json of a hub model without loading it: from the HF cache, else fetched (a few kB) when the hub
+    answers within a second; None when neither has it (loading then says why)."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    with contextlib.suppress(Exception):
+        cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+        if isinstance(cached, str):
+            return Path(cached)
+    if not hub_offline() and hub_answers():
+        with contextlib.suppress(Exception):
+            return Path(hf_hub_download(repo_id, "config.json", revision=revision, etag_timeout=HUB_DEADLINE_S * 5))
+    return None
+
+
 def ensure_hub_reachable(what: str, fix: str, repo_id: str | None = None, revision: str | None = None) -> None:
     """Raise within about a second if the hub cannot be reached (or HF_HUB_OFFLINE is set) and the repo
     is not usable from the local Hugging Face cache."""

@@ -34,3 +34,28 @@ class CorruptArtifactError(FinetuneError):
 
 class NonFiniteOutputError(FinetuneError):
     """A model produced NaN or infinite outputs (corrupt or diverged weights)."""
+
+
+class DiskFullError(FinetuneError):
+    """A disk filled (or a file-size or quota limit was reached) while a stage wrote; nothing was committed."""
+
+
+# How the libraries a stage writes through report a full disk: OSError's errno (ENOSPC, EDQUOT, EFBIG), Arrow's
+# and safetensors' messages (no errno), sqlite's.
+_FULL_ERRNOS = {28, 122, 27}
+_FULL_WORDS = ("no space left on device", "disk quota exceeded", "file too large", "storagefull",
+               "database or disk is full", "code: 28")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether an exception, or one it was raised from, says a disk (or a file-size limit) is full."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _FULL_ERRNOS:
+            return True
+        if any(w in str(cur).lower() for w in _FULL_WORDS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -13,11 +14,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
-from stages.engine.errors import MissingInputError
+from stages.engine.errors import DiskFullError, MissingInputError, is_disk_full
 from stages.engine.plan import FORCE, Plan, Planned
 from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
-from stages.engine.stage import JOINED, ConfigView, StageContext, loaded, stage_params
+from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
 from stages.engine.store import Outcome, Store
 from stages.engine.units import human_bytes
 
@@ -50,11 +51,29 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
         return joined_stage(item, store, context, role)
     if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
         st.precheck(plan.cfg)
-    outcome = store.run(sk, loaded(st.body), pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
-                        upstream_digests=digests, force=force, verify=plan.verify, args=context,
-                        volatile=st.volatile)
+    try:
+        outcome = store.run(sk, st.body, pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
+                            upstream_digests=digests, force=force, verify=plan.verify, args=context,
+                            volatile=st.volatile)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise DiskFullError(f"stage {st.name}: the disk is full ({e.__class__.__name__}: {str(e)[:120]}); "
+                            f"{free_space(store)}; nothing of this stage was committed and the stages before it stay "
+                            f"in the store: free space (finetune inspect gc --force) or set FINETUNE_STORE to a "
+                            f"larger disk, then rerun") from e
     store.set_ref(plan.cfg.name, st.name, sk.key)
     return outcome
+
+
+def free_space(store: Store) -> str:
+    """The free space where the store and the temporary folder are, for a disk-full line."""
+    places = {"store": store.root, "temporary folder": Path(tempfile.gettempdir())}
+    said = []
+    for what, path in places.items():
+        with contextlib.suppress(OSError):
+            said.append(f"{human_bytes(shutil.disk_usage(path).free)} free in the {what} {path}")
+    return "; ".join(said) or "free space unknown"
 
 
 def joined_stage(item: Planned, store: Store, context: Callable[[Path, Path], tuple[StageContext]],

@@ -34,12 +34,13 @@ class Lazy:
         return self.load()(*args, **kwargs)
 
 
+    def __repr__(self) -> str:
+        return f"Lazy({self.__module__}.{self.__qualname__})"
+
+
 def loaded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A Lazy's function, imported; any other callable as it is."""
     return fn.load() if isinstance(fn, Lazy) else fn
-
-    def __repr__(self) -> str:
-        return f"Lazy({self.__module__}.{self.__qualname__})"
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from stages.engine.errors import ConfigError, CorruptArtifactError
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
 from stages.engine.names import name_problem
+from stages.engine.stage import loaded
 
 log = logging.getLogger("finetune.store")
 MANIFEST = "manifest.json"
@@ -431,7 +432,7 @@ class Store:
             args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work),
             volatile: tuple[str, ...] = ()) -> Outcome:
         """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
-        body(*args(tmp_dir, work_dir)) -> metrics and committed (default: body(tmp_dir, work_dir)). tmp_dir
+        body(*args(tmp_dir, work_dir)) -> metrics (a Lazy body imported then) and committed (default: body(tmp_dir, work_dir)). tmp_dir
         becomes the artifact; work_dir persists across crashes until the commit. `force`: no lookup at all
         (nothing is fetched)."""
         upstream_digests = upstream_digests or {}
@@ -460,7 +461,7 @@ class Store:
             self.fetch_work(sk.stage, sk.key)
             token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
             try:
-                metrics = body(*args(tmp, work)) or {}
+                metrics = loaded(body)(*args(tmp, work)) or {}  # a Lazy body is imported only to compute
                 manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
                                                 time.perf_counter() - t0, reason, replaces, volatile)
                 self.commit_folder(tmp, final)

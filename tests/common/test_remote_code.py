@@ -66,3 +66,29 @@ def test_a_model_transformers_knows_needs_no_trust_even_with_an_auto_map(tmp_pat
     with caplog.at_level(logging.WARNING, logger="finetune"):
         check_remote_code(load_pipeline("mine", path=pipeline_file(tmp_path, folder, trust=False)))
     assert not caplog.records and not marker.exists()
+
+
+def test_a_custom_code_hub_model_in_the_hf_cache_is_refused_at_plan_time_too(tmp_path, custom_model, capsys,
+                                                                             monkeypatch):
+    """A hub id is checked from its config.json in the HF cache (or fetched alone when the hub answers), before
+    transformers loads it: the same line, naming the repo."""
+    import huggingface_hub.constants
+
+    folder, marker = custom_model
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "models--acme--my-model"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    code = main_plain(["mine", "--config", str(pipeline_file(tmp_path, "acme/my-model", trust=False))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        "error: model.name acme/my-model (hub): its config.json asks to run its own Python (configuration_my.py, "
+        "modeling_my.py; model type 'my-arch' is not in transformers); set model.trust_remote_code: true if you "
+        "trust that code (it runs in this process)"], err
+    assert not marker.exists() and not (tmp_path / "store").exists()

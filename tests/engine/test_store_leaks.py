@@ -9,6 +9,7 @@ import pytest
 from helpers import needs_shared_data
 
 from flows.reports.inspect_cli import main as inspect_main
+from stages.engine.errors import DiskFullError
 from stages.engine.store import Store
 
 pytestmark = needs_shared_data
@@ -57,7 +58,8 @@ def test_a_failed_manifest_write_leaves_no_tmp_folder(store_dir, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Store, "_write_manifest", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFullError, match=r"^stage data: the disk is full \(OSError: \[Errno 28\] No space left on "
+                       r"device\); .* free in the store .*; nothing of this stage was committed"):
         helpers.run("tiny-imdb", *SMALL, until="data")
     assert list((store_dir / ".tmp").iterdir()) == []
     assert not list(Store(store_dir).entries())
