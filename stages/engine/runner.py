@@ -44,36 +44,34 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
                                 f"without --only first: {plan.run_command()}")
     digests = {u: done[u].manifest["digest"] for u in st.upstream}
     context = context_for(plan, item, done)
-    # the store decides again under the key's lock; looked up here only for what precedes computing
-    hit = not force and (st.joins or st.precheck) and store.lookup(sk, dict(digests), plan.verify).hit
-    # joining another machine's run, unless its artifact is in the store already (nobody there to join)
-    if st.joins is not None and (role := st.joins(plan.cfg)) and not hit:
-        return joined_stage(item, store, context, role)
-    if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
-        st.precheck(plan.cfg)
     try:
+        # the store decides again under the key's lock; looked up here only for what precedes computing
+        hit = not force and (st.joins or st.precheck) and store.lookup(sk, dict(digests), plan.verify).hit
+        # joining another machine's run, unless its artifact is in the store already (nobody there to join)
+        if st.joins is not None and (role := st.joins(plan.cfg)) and not hit:
+            return joined_stage(item, store, context, role)
+        if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
+            st.precheck(plan.cfg)
         outcome = store.run(sk, st.body, pipeline=plan.cfg.name, config=stage_params(plan.cfg, st.reads),
                             upstream_digests=digests, force=force, verify=plan.verify, args=context,
                             volatile=st.volatile)
-    except Exception as e:
+        store.set_ref(plan.cfg.name, st.name, sk.key)
+    except Exception as e:  # a full disk, wherever the stage or the store wrote: one line, not a traceback
         if not is_disk_full(e):
             raise
         raise DiskFullError(f"stage {st.name}: the disk is full ({e.__class__.__name__}: {str(e)[:120]}); "
-                            f"{free_space(store)}; nothing of this stage was committed and the stages before it stay "
-                            f"in the store: free space (finetune inspect gc --force) or set FINETUNE_STORE to a "
+                            f"{free_space(store)}; no artifact is half-written (each is committed whole or not at "
+                            f"all) and committed stages stay in the store: free space (finetune inspect gc --force) or set FINETUNE_STORE to a "
                             f"larger disk, then rerun") from e
-    store.set_ref(plan.cfg.name, st.name, sk.key)
     return outcome
 
 
 def free_space(store: Store) -> str:
-    """The free space where the store and the temporary folder are, for a disk-full line."""
-    places = {"store": store.root, "temporary folder": Path(tempfile.gettempdir())}
-    said = []
-    for what, path in places.items():
-        with contextlib.suppress(OSError):
-            said.append(f"{human_bytes(shutil.disk_usage(path).free)} free in the {what} {path}")
-    return "; ".join(said) or "free space unknown"
+    """The free space on the store's disk, for a disk-full line."""
+    try:
+        return f"{human_bytes(shutil.disk_usage(store.root).free)} free in the store {store.root}"
+    except OSError:
+        return f"the store is {store.root}"
 
 
 def joined_stage(item: Planned, store: Store, context: Callable[[Path, Path], tuple[StageContext]],

@@ -59,7 +59,7 @@ def test_a_failed_manifest_write_leaves_no_tmp_folder(store_dir, monkeypatch):
 
     monkeypatch.setattr(Store, "_write_manifest", disk_full)
     with pytest.raises(DiskFullError, match=r"^stage data: the disk is full \(OSError: \[Errno 28\] No space left on "
-                       r"device\); .* free in the store .*; nothing of this stage was committed"):
+                       r"device\); .* free in the store .*; no artifact is half-written"):
         helpers.run("tiny-imdb", *SMALL, until="data")
     assert list((store_dir / ".tmp").iterdir()) == []
     assert not list(Store(store_dir).entries())
