@@ -4,6 +4,8 @@ touched; a failed manifest write removes its own temporary folder."""
 
 from __future__ import annotations
 
+import re
+
 import helpers
 import pytest
 from helpers import needs_shared_data
@@ -63,3 +65,33 @@ def test_a_failed_manifest_write_leaves_no_tmp_folder(store_dir, monkeypatch):
         helpers.run("tiny-imdb", *SMALL, until="data")
     assert list((store_dir / ".tmp").iterdir()) == []
     assert not list(Store(store_dir).entries())
+
+
+def test_a_file_the_disk_cannot_take_is_one_line_exit_2_and_the_rerun_computes_from_that_stage(store_dir, capsys):
+    """A real write error, not a patched one: the file-size limit (RLIMIT_FSIZE, what a full disk or quota does
+    to a writer: the write fails, EFBIG instead of ENOSPC) lets the small data and tokenize artifacts through
+    and stops the model stage's 4 MB safetensors file. The command line says so in one line, exit 2; nothing
+    of the model stage is left in the store or its .tmp; with room again, the rerun computes from that stage."""
+    import resource
+    import signal
+
+    from stages.__main__ import main as main_plain
+
+    assert main_plain(["tiny-imdb", *(f"--set={s}" for s in SMALL), "--until", "tokenize"]) == 0
+    capsys.readouterr()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, hard))
+    try:
+        code = main_plain(["tiny-imdb", *(f"--set={s}" for s in SMALL)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: stage model: the disk is full (") \
+        and "File too large" in err[0] and "free in the store" in err[0], err
+    assert list((store_dir / ".tmp").iterdir()) == [] and not (store_dir / "model").exists()
+    assert main_plain(["tiny-imdb", *(f"--set={s}" for s in SMALL)]) == 0
+    done = re.findall(r"^\s+(\w+)\s+(computed|cached)", capsys.readouterr().out, re.M)
+    assert done == [("data", "cached"), ("tokenize", "cached"), ("model", "computed"), ("adapters", "computed"),
+                    ("train", "computed"), ("evaluate", "computed"), ("export", "computed")], done

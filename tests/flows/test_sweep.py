@@ -1,6 +1,6 @@
 """Sweeps: a tiny sweep over two learning rates through the `sweep` flow (the worker's Prefect server,
-tests/conftest.py; each child run in its own process) computes the stages the variants share once, sequentially and two at
-a time (Prefect's thread-pool task runner), and SIGTERM ends the children; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
+tests/conftest.py; each child run in its own process) computes the stages the variants share once, two at a time (Prefect's
+thread-pool task runner; tests/flows/test_user_session.py runs one sequentially), and SIGTERM ends the children; `compare` ranks the variants from the store; `diff` names what differs and why. Bad sweep definitions
 are one line and exit 2, before Prefect starts."""
 
 from __future__ import annotations
@@ -119,15 +119,25 @@ def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
 
 
 @needs_shared_data
-def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server, config, store_dir):
+def test_parallel_children_share_stages_through_the_store_lock_then_compare_and_diff(prefect_server, config,
+                                                                                    store_dir):
+    """Two children at once (one sweep run for all that follows: a sequential sweep is run by
+    tests/flows/test_user_session.py): the stages they share computed once, through the store's lock."""
     # no capsys in the tests that run flows: Prefect's log handler would keep its closed stream
     from flows.orchestration.sweep_flow import run_sweep
 
-    state = run_sweep("lr-pair", parallel=1, config=str(config), return_state=True)
+    state = run_sweep("lr-pair", parallel=2, config=str(config), return_state=True)
     assert state.is_completed(), state.message
     assert [r["run"] for r in state.result()] == ["lr=0.001", "lr=0.01"]
     counts = computed_per_stage(store_dir)
     assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
+    # the two children (processes) overlapped: the second's first outcome came before the first's last
+    times: dict[int, list[str]] = {}
+    for e in Store(store_dir).events():
+        times.setdefault(e["pid"], []).append(e["time"])
+    assert len(times) == 2
+    first, second = sorted(times.values())
+    assert second[0] < first[-1]
     folder = store_dir / "sweeps" / "lr-pair"
     assert (folder / "chart.png").stat().st_size > 1000
     table, chart = ui_artifacts("sweep-lr-pair"), ui_artifacts("sweep-lr-pair-chart")
@@ -162,24 +172,6 @@ def test_sweep_computes_shared_stages_once_then_compare_and_diff(prefect_server,
     acc = next(m for m in d["metrics"] if m["metric"] == "evaluate.test.accuracy")
     assert (acc["a"], acc["b"]) == (by[1e-3]["mean"], by[1e-2]["mean"]) and not acc["a_stale"]
     assert "train.lr" in render_diff(d) and "changed params: train.lr" in render_diff(d)
-
-
-@needs_shared_data
-def test_parallel_children_share_stages_through_the_store_lock(prefect_server, config, store_dir):
-    from flows.orchestration.sweep_flow import run_sweep
-
-    assert run_sweep("lr-pair", parallel=2, config=str(config), return_state=True).is_completed()
-    counts = computed_per_stage(store_dir)
-    assert {s: counts[s] for s in SHARED + PER_VARIANT} == {**dict.fromkeys(SHARED, 1), **dict.fromkeys(PER_VARIANT, 2)}
-    # the two children (processes) overlapped: the second's first outcome came before the first's last
-    times: dict[int, list[str]] = {}
-    for e in Store(store_dir).events():
-        times.setdefault(e["pid"], []).append(e["time"])
-    assert len(times) == 2
-    first, second = sorted(times.values())
-    assert second[0] < first[-1]
-    c = compare.compare(named_sweep("lr-pair", config), Store(store_dir))
-    assert all(v.status() == "done" for v in c.variants)
 
 
 @needs_shared_data
