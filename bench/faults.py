@@ -113,7 +113,8 @@ def probe(pipeline: str, stage: str, how: str, template: Path, scratch: Path, wi
                               *(f"--set={s}" for s in SETS)], store)
     computed = [m.group(1) for m in LINE.finditer(rerun) if m.group(2) == "computed"]
     last = [ln for ln in out.strip().splitlines() if ln.startswith(("error:", "interrupted", "terminated"))]
-    return {"stage": stage, "how": how, "exit": str(code), "traceback": "yes" if "Traceback" in out else "no",
+    landed = computed[0] if computed else "after the last stage"  # the first stage the stop left undone
+    return {"stage": stage, "how": how, "landed in": landed, "exit": str(code), "traceback": "yes" if "Traceback" in out else "no",
             "stage committed": "yes" if committed else "no", ".tmp left": str(tmp_left),
             "rerun": f"{rerun_code}: computed {' '.join(computed) or 'nothing'}",
             "verify": "ok" if verify_code == 0 else f"exit {verify_code}",
