@@ -94,7 +94,6 @@ SLOW = {
         "test_the_stage_on_two_machines_each_with_its_own_store",
         "test_the_stage_with_two_processes_through_the_store",
         "test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash",
-        "test_two_processes_by_1x2_match_one_process_by_1x4",
     ),
     "tests/stages/test_evaluate.py": (
         "test_rouge_equals_an_independent_rouge_score_computation_on_100_real_bills",
