@@ -98,8 +98,16 @@ FIRST_START = Workaround(
     "file lock in the home, before its server starts; registration goes through the server's own memo "
     "(_memoize_block_auto_registration), so the server then skips it.")
 
+CANCELLED_BY_RUNNER = Workaround(
+    "a run its runner cancels 'Finished in state Running()'", ">=3.9,<3.10", "prefect.flow_engine",
+    ("FlowRunEngine.handle_cancellation", "FlowRunEngine._engine_owns_cancellation_handling"),
+    "a deployment run stopped by `finetune serve` (its runner cancels it with SIGTERM) logs `Flow run was "
+    "cancelled.` and then `Finished in state Running()`: the runner, not the engine, sets Cancelled a moment "
+    "later, so the engine's last line names a state the run never finishes in. A filter on the flow-run logger "
+    "rewrites that one line to say who sets the final state.")
+
 WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBACK, TASK_RUN_NAMES,
-               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START)
+               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START, CANCELLED_BY_RUNNER)
 
 # the loggers on which the engine logs a failed run's exception (ENGINE_TRACEBACK)
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
@@ -180,6 +188,33 @@ def quiet_temporary_server_hint() -> None:
     logger = temporary_server.subprocess_server_logger
     if not any(isinstance(f, _FirstLineOfServerStart) for f in logger.filters):
         logger.addFilter(_FirstLineOfServerStart())
+
+
+RUNNING_AT_FINISH = "Finished in state Running()"
+CANCELLED_LINE = "Finished: cancelled by its runner, which sets the state Cancelled"
+
+
+class _CancelledByRunner(logging.Filter):
+    """CANCELLED_BY_RUNNER: the engine's closing line of a run its runner cancelled (the line after the engine's
+    `Flow run was cancelled.`), rewritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Flow run was cancelled.":
+            self.cancelled = True
+        elif record.msg == RUNNING_AT_FINISH and self.cancelled:
+            record.msg, record.args = CANCELLED_LINE, ()
+        return True
+
+
+def say_who_cancelled() -> None:
+    """CANCELLED_BY_RUNNER (idempotent): a filter on the logger the flow engine's closing line is logged on."""
+    logger = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, _CancelledByRunner) for f in logger.filters):
+        logger.addFilter(_CancelledByRunner())
 
 
 def runner_with_sigterm_handler(on_sigterm: Any, **runner_kwargs: Any) -> Any:

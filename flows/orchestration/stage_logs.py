@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from flows.orchestration.compat_prefect import ENGINE_LOGGERS
+from flows.orchestration.compat_prefect import ENGINE_LOGGERS, say_who_cancelled
 from stages.engine.errors import FinetuneError
 
 
@@ -67,3 +67,4 @@ def route_logs() -> None:
     """Idempotent: every flow calls it when it starts."""
     send_stage_logs_to_prefect()
     quiet_user_error_tracebacks()
+    say_who_cancelled()

@@ -80,3 +80,23 @@ def test_the_temporary_servers_start_is_one_line_without_advice(caplog):
         logger.info("another line\nSee https://example.org")  # any other record is left as it is
     assert [r.getMessage() for r in caplog.records] == ["Starting temporary server on http://127.0.0.1:8000",
                                                        "another line\nSee https://example.org"]
+
+
+def test_a_run_its_runner_cancelled_does_not_finish_in_state_running():
+    """CANCELLED_BY_RUNNER: the engine's closing line after `Flow run was cancelled.` says who sets the final
+    state; the same line without a cancellation before it is left alone."""
+    import logging
+
+    def line(filt, msg):
+        record = logging.LogRecord("prefect.flow_runs", logging.INFO, __file__, 1, msg, (), None)
+        assert filt.filter(record)
+        return record.getMessage()
+
+    filt = compat_prefect._CancelledByRunner()
+    assert line(filt, "Finished in state Running()") == "Finished in state Running()"
+    assert line(filt, "Flow run was cancelled.") == "Flow run was cancelled."
+    assert line(filt, "Finished in state Running()") == compat_prefect.CANCELLED_LINE
+    compat_prefect.say_who_cancelled()
+    compat_prefect.say_who_cancelled()
+    assert sum(isinstance(f, compat_prefect._CancelledByRunner)
+               for f in logging.getLogger("prefect.flow_runs").filters) == 1
