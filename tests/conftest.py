@@ -126,26 +126,6 @@ SLOW = {
 }
 
 
-# Longest files first: `-n 2 --dist loadfile` hands whole files to the workers in collection order, and a 2-minute
-# file collected last kept one worker busy while the other idled. Seconds per file from a `--durations=0` profile
-# on two cores (issue 27); only the order matters, and a file not listed (each under 8 s) keeps its place after these.
-FILE_SECONDS = {
-    "tests/stages/test_chat_export.py": 127, "tests/flows/test_flow.py": 115, "tests/stages/test_distributed.py": 112,
-    "tests/flows/test_sweep.py": 107, "tests/flows/test_two_machines.py": 98, "tests/flows/test_user_session.py": 88,
-    "tests/flows/test_serve.py": 85, "tests/stages/test_export_standalone.py": 72,
-    "tests/engine/test_store_robustness.py": 55, "tests/test_wheel.py": 48, "tests/stages/test_model.py": 42,
-    "tests/stages/test_resume.py": 37, "tests/engine/test_code_fingerprint.py": 34,
-    "tests/stages/test_train_health.py": 32, "tests/engine/test_store_s3.py": 27,
-    "tests/stages/test_packed_training.py": 24, "tests/flows/test_first_start.py": 23,
-    "tests/engine/test_store_backends.py": 21, "tests/common/test_quiet.py": 21, "tests/stages/test_data.py": 20,
-    "tests/stages/test_rerun_evaluate.py": 19, "tests/flows/test_server_home.py": 18, "tests/test_types.py": 18,
-    "tests/stages/test_train.py": 17, "tests/engine/test_gc_live.py": 16, "tests/flows/test_inspect.py": 15,
-    "tests/common/test_packing.py": 14, "tests/stages/test_chat_eval.py": 14, "tests/stages/test_evaluate.py": 14,
-    "tests/flows/test_console.py": 14, "tests/stages/test_chat.py": 12, "tests/engine/test_cache.py": 11,
-    "tests/engine/test_retrain_digest.py": 10, "tests/flows/test_predict.py": 9,
-}
-
-
 @pytest.hookimpl(tryfirst=True)  # before --deselect / --lf drop items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen = set()
@@ -155,7 +135,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if name in SLOW.get(file, ()) or "prefect_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
             seen.add((file, name))
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.partition("::")[0], 0))  # stable: a file's own order
     collected = {item.nodeid.partition("::")[0] for item in items}
     stale = [f"{f}::{n}" for f, names in SLOW.items() if f in collected for n in names if (f, n) not in seen]
     whole_files = not any("::" in a for a in config.args)
