@@ -14,6 +14,7 @@ by a first run), so over repeated runs it falls in imports, the body and the com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +62,13 @@ def stage_seconds(pipeline: str, scratch: Path) -> dict[str, float]:
     return seconds
 
 
+def stage_before(stage: str) -> str | None:
+    return STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
+
+
 def stop_inside(pipeline: str, stage: str, sig: signal.Signals, store: Path, window: float) -> tuple[int, str]:
     """Start the pipeline (its stages before `stage` cached) and send `sig` at a random point of `stage`."""
-    before = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
+    before = stage_before(stage)
     p = subprocess.Popen(command(pipeline), cwd=ROOT, env=env_for(store), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     assert p.stdout is not None
@@ -83,38 +89,43 @@ def stop_inside(pipeline: str, stage: str, sig: signal.Signals, store: Path, win
     return p.returncode, "".join(out) + rest
 
 
+@contextlib.contextmanager
+def small_disk(store: Path, free: int) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """`store` copied onto a 64 MB tmpfs filled up to `free` bytes: (the copy, a function that makes room)."""
+    mount = store.parent / "full"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+    try:
+        shutil.copytree(store, mount / "store")
+        with open(mount / "filler", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(mount).free - free)
+        yield mount / "store", (mount / "filler").unlink
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def probe(pipeline: str, stage: str, how: str, template: Path, scratch: Path, window: float) -> dict[str, str]:
     store = scratch / f"{stage}-{how}" / "store"
     shutil.copytree(template, store)
-    if how == "disk full":
-        mount = store.parent / "full"
-        mount.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
-        try:
-            shutil.copytree(store, mount / "store")
-            free = shutil.disk_usage(mount).free
-            with open(mount / "filler", "wb") as f:  # room for the refs and run record, not the stage's output
-                os.posix_fallocate(f.fileno(), 0, free - (20_480 if stage == "evaluate" else 65_536))
-            code, out = run(command(pipeline), mount / "store")
-            committed = (mount / "store" / stage).is_dir()
-            tmp_left = len(list((mount / "store" / ".tmp").glob("*"))) if (mount / "store" / ".tmp").is_dir() else 0
-            (mount / "filler").unlink()
-            rerun_code, rerun = run(command(pipeline), mount / "store")
-            verify_code, _ = run([sys.executable, "-m", "flows.inspect", "verify", pipeline,
-                                  *(f"--set={s}" for s in SETS)], mount / "store")
-        finally:
-            subprocess.run(["umount", str(mount)], check=False)
-    else:
-        code, out = stop_inside(pipeline, stage, signal.Signals[how], store, window)
-        committed = (store / stage).is_dir()
-        tmp_left = len(list((store / ".tmp").glob("*"))) if (store / ".tmp").is_dir() else 0
-        rerun_code, rerun = run(command(pipeline), store)
+    # room for the refs and the run record, not for the stage's output
+    disk = small_disk(store, 20_480 if stage == "evaluate" else 65_536) if how == "disk full" \
+        else contextlib.nullcontext((store, lambda: None))
+    with disk as (where, make_room):
+        if how == "disk full":
+            code, out = run(command(pipeline), where)
+        else:
+            code, out = stop_inside(pipeline, stage, signal.Signals[how], where, window)
+        committed = (where / stage).is_dir()
+        tmp_left = len(list((where / ".tmp").glob("*"))) if (where / ".tmp").is_dir() else 0
+        make_room()
+        rerun_code, rerun = run(command(pipeline), where)
         verify_code, _ = run([sys.executable, "-m", "flows.inspect", "verify", pipeline,
-                              *(f"--set={s}" for s in SETS)], store)
+                              *(f"--set={s}" for s in SETS)], where)
     computed = [m.group(1) for m in LINE.finditer(rerun) if m.group(2) == "computed"]
     last = [ln for ln in out.strip().splitlines() if ln.startswith(("error:", "interrupted", "terminated"))]
     landed = computed[0] if computed else "after the last stage"  # the first stage the stop left undone
-    return {"stage": stage, "how": how, "landed in": landed, "exit": str(code), "traceback": "yes" if "Traceback" in out else "no",
+    return {"stage": stage, "how": how, "landed in": landed, "exit": str(code),
+            "traceback": "yes" if "Traceback" in out else "no",
             "stage committed": "yes" if committed else "no", ".tmp left": str(tmp_left),
             "rerun": f"{rerun_code}: computed {' '.join(computed) or 'nothing'}",
             "verify": "ok" if verify_code == 0 else f"exit {verify_code}",
@@ -139,8 +150,7 @@ def main() -> None:
         rows = []
         for stage in args.stages:
             template = scratch / f"upstream-{stage}"
-            before = STAGES[STAGES.index(stage) - 1] if stage != STAGES[0] else None
-            if before:
+            if before := stage_before(stage):
                 code, out = run(command(args.pipeline, "--until", before), template)
                 assert code == 0, out[-2000:]
             else:

@@ -40,11 +40,10 @@ class DiskFullError(FinetuneError):
     """A disk filled (or a file-size or quota limit was reached) while a stage wrote; nothing was committed."""
 
 
-# How the libraries a stage writes through report a full disk: OSError's errno (ENOSPC, EDQUOT, EFBIG), Arrow's
-# and safetensors' messages (no errno), sqlite's.
+# How the libraries a stage writes through report a full disk: OSError's errno (ENOSPC, EDQUOT, EFBIG), and the
+# messages of Arrow and safetensors (the OS's words, no errno) and sqlite.
 _FULL_ERRNOS = {28, 122, 27}
-_FULL_WORDS = ("no space left on device", "disk quota exceeded", "file too large", "storagefull",
-               "database or disk is full", "code: 28")
+_FULL_WORDS = ("no space left on device", "disk quota exceeded", "file too large", "database or disk is full")
 
 
 def is_disk_full(e: BaseException) -> bool:

@@ -61,8 +61,8 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
             raise
         raise DiskFullError(f"stage {st.name}: the disk is full ({e.__class__.__name__}: {str(e)[:120]}); "
                             f"{free_space(store)}; no artifact is half-written (each is committed whole or not at "
-                            f"all) and committed stages stay in the store: free space (finetune inspect gc --force) or set FINETUNE_STORE to a "
-                            f"larger disk, then rerun") from e
+                            f"all) and committed stages stay in the store: free space (finetune inspect gc "
+                            f"--force) or set FINETUNE_STORE to a larger disk, then rerun") from e
     return outcome
 
 

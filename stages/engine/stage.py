@@ -33,7 +33,6 @@ class Lazy:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.load()(*args, **kwargs)
 
-
     def __repr__(self) -> str:
         return f"Lazy({self.__module__}.{self.__qualname__})"
 

@@ -432,9 +432,9 @@ class Store:
             args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work),
             volatile: tuple[str, ...] = ()) -> Outcome:
         """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
-        body(*args(tmp_dir, work_dir)) -> metrics (a Lazy body imported then) and committed (default: body(tmp_dir, work_dir)). tmp_dir
-        becomes the artifact; work_dir persists across crashes until the commit. `force`: no lookup at all
-        (nothing is fetched)."""
+        body(*args(tmp_dir, work_dir)) -> metrics (a Lazy body is imported only then) and committed (default:
+        body(tmp_dir, work_dir)). tmp_dir becomes the artifact; work_dir persists across crashes until the commit.
+        `force`: no lookup at all (nothing is fetched)."""
         upstream_digests = upstream_digests or {}
         with self.lock(sk.key, sk.stage):
             found = None if force else self.lookup(sk, dict(upstream_digests), verify)
@@ -461,7 +461,7 @@ class Store:
             self.fetch_work(sk.stage, sk.key)
             token = _work_saved.set(lambda folder: self.publish_work(sk.stage, sk.key, folder))
             try:
-                metrics = loaded(body)(*args(tmp, work)) or {}  # a Lazy body is imported only to compute
+                metrics = loaded(body)(*args(tmp, work)) or {}
                 manifest = self._write_manifest(tmp, sk, pipeline, config, upstream_digests, metrics, started,
                                                 time.perf_counter() - t0, reason, replaces, volatile)
                 self.commit_folder(tmp, final)
