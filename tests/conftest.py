@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,13 +30,28 @@ from helpers import SHARED_DATA, SHARED_FILES  # noqa: E402  (after the offline 
 os.environ.setdefault("FINETUNE_DATA_MIRROR", str(SHARED_DATA))
 
 
+_SESSION_CACHE = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under CI (CI=true, what .ci/run is given) a missing ../shared/data fails the run at once, in one line,
-    instead of skipping the ~90 tests that need it; a local checkout without it still skips them."""
+    instead of skipping the ~90 tests that need it; a local checkout without it still skips them.
+
+    One FINETUNE_CACHE for the session (made here, in the process that starts the xdist workers, which inherit
+    it): SmolLM2's GGUF is converted once for all tests (stages/common/gguf.py), never read from the user's
+    ~/.cache; a test about that cache sets its own."""
     missing = [f for f in SHARED_FILES if not (SHARED_DATA / f).exists()]
     if os.environ.get("CI", "").lower() in ("true", "1") and missing:
         raise pytest.UsageError(f"CI=true and the real data mirror lacks {SHARED_DATA}/{missing[0]}: put ../shared "
                                 "beside the checkout (the tests that read it would otherwise be skipped)")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.stash[_SESSION_CACHE] = os.environ["FINETUNE_CACHE"] = tempfile.mkdtemp(prefix="finetune-tests-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (cache := config.stash.get(_SESSION_CACHE, None)) is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+
 
 
 # The `slow` tests (`make test-fast` = pytest -m "not slow and not cluster" leaves them out): each took >= 10 s

@@ -22,6 +22,7 @@ from stages.common.compat.transformers import (
     keep_in_fp32_modules,
     keys_to_not_convert,
 )
+from stages.common.gguf import converted
 from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
 from stages.common.precision import auto_compute_dtype
@@ -87,7 +88,7 @@ def hf_config(m: ModelConfig) -> Any:
         if local is None:
             ensure_hub_reachable(f"model {m.name}", HUB_FIX, m.name, m.revision)
         if "gguf_file" in kwargs and local is not None and local.is_file():
-            st = local.stat()  # parsing a GGUF header takes seconds: once per file version and process
+            st = local.stat()  # once per file version and process
             config = copy.deepcopy(_gguf_config(str(local), st.st_size, st.st_mtime_ns))
         else:
             config = AutoConfig.from_pretrained(source, revision=m.revision if local is None else None,
@@ -100,8 +101,7 @@ def hf_config(m: ModelConfig) -> Any:
 def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     from transformers import AutoConfig
 
-    p = Path(path)
-    return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoConfig.from_pretrained(str(converted(Path(path), "config")))
 
 
 def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

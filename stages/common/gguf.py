@@ -1,0 +1,90 @@
+"""A local GGUF file as plain Hugging Face folders, converted once per file content and transformers version.
+
+transformers reads a GGUF's metadata (its whole vocabulary) in Python and dequantizes its tensors on every
+load: SmolLM2-135M-Instruct's 98 MB file took 6 CPU-s to give a tokenizer and 16 to give a model, in every
+process that asks (tokenize, model, evaluate, export, each test). Converted once into `$FINETUNE_CACHE/gguf/`
+(config.json, model.safetensors in fp32, the tokenizer's files), a later load reads those in a fraction of a
+second. What was loaded is what transformers' own GGUF loader gave: the conversion is that loader's result,
+saved with save_pretrained.
+
+The cache never stands in for another file: a folder is named by the GGUF's sha256 and the transformers
+version that converted it, and is written whole under a temporary name, then renamed (a folder that
+exists is complete). The store's keys still read the GGUF file itself (stages/common/hf.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from stages.engine.fingerprint import HashMemo
+
+log = logging.getLogger("finetune.model")
+
+PARTS = ("config", "tokenizer", "model")
+_memo: HashMemo | None = None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "gguf"
+
+
+def _digest(path: Path) -> str:
+    global _memo
+    if _memo is None or _memo.path != cache_root() / "hashes.db":
+        _memo = HashMemo(cache_root() / "hashes.db")
+    return _memo.sha256(path)
+
+
+def converted(path: Path, part: str) -> Path:
+    """The folder holding `part` (config, tokenizer or model) of the GGUF file `path`, converting it on the
+    first ask; load it with from_pretrained(folder) and no gguf_file."""
+    import transformers
+
+    assert part in PARTS, part
+    folder = cache_root() / f"{_digest(path)[:32]}-transformers-{transformers.__version__}" / part
+    if folder.is_dir():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".tmp-{part}-{uuid.uuid4().hex[:8]}"
+    try:
+        _convert(path, part, tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process converted it first: theirs is the same
+            if not folder.is_dir():
+                raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(tmp)
+    return folder
+
+
+def _convert(path: Path, part: str, out: Path) -> None:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from stages.common.compat.transformers import clear_gguf_quantizer
+
+    hf_logging.set_verbosity_error()
+    source, name = str(path.parent), path.name
+    if part == "tokenizer":
+        log.info("%s: its tokenizer converted once to %s", path.name, out.parent)
+        AutoTokenizer.from_pretrained(source, gguf_file=name).save_pretrained(out)
+        return
+    config = AutoConfig.from_pretrained(source, gguf_file=name)
+    if part == "config":
+        config.save_pretrained(out)
+        return
+    import torch
+
+    log.info("%s: dequantized once to %s", path.name, out.parent)
+    cls: Any = next((c for c in (AutoModelForCausalLM, AutoModelForSeq2SeqLM) if type(config) in c._model_mapping),
+                    AutoModel)
+    model = cls.from_pretrained(source, gguf_file=name, config=config, dtype=torch.float32)
+    clear_gguf_quantizer(model)
+    model.save_pretrained(out)
