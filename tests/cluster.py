@@ -80,9 +80,10 @@ def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str]) -> Iterator[dict[str, str]]:
-    """The Prefect server, the pool and the deployments of `pipelines`; yields env + PREFECT_API_URL."""
-    with server(env, tmp) as api:
+def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str], api: str | None = None) -> Iterator[dict[str, str]]:
+    """The Prefect server (started here, or the running one at `api`), the pool and the deployments of
+    `pipelines`; yields env + PREFECT_API_URL."""
+    with contextlib.nullcontext(api) if api else server(env, tmp) as api:
         env = {**env, "PREFECT_API_URL": api}
         run([PREFECT, "work-pool", "create", POOL, "--type", "process"], env)
         run(deploy_command(pipelines), env)

@@ -30,12 +30,13 @@ SMALL = "data.subset={train: 40, validation: 8, test: 8}"
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_endpoint, tmp_path_factory) -> Iterator[tuple[dict[str, str], Path]]:
-    """The orchestrating machine: a Prefect server, the `process` pool, finetune/tiny-imdb deployed to it.
-    Yields the environment every machine shares (PREFECT_API_URL, FINETUNE_STORE) and a folder."""
+def cluster(s3_endpoint, prefect_server, tmp_path_factory) -> Iterator[tuple[dict[str, str], Path]]:
+    """The orchestrating machine: a Prefect server (this test process's, tests/conftest.py), the `process`
+    pool, finetune/tiny-imdb deployed to it. Yields the environment every machine shares (PREFECT_API_URL,
+    FINETUNE_STORE) and a folder."""
     tmp = tmp_path_factory.mktemp("cluster")
     store = f"s3://finetune-test/two-machines-{uuid.uuid4().hex[:8]}"
-    with orchestrator(base_env(tmp, store), tmp, ["tiny-imdb"]) as env:
+    with orchestrator(base_env(tmp, store), tmp, ["tiny-imdb"], api=prefect_server) as env:
         yield env, tmp
 
 

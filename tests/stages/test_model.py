@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from stages import model as model_stage
-from stages.common import model_loading
+from stages.common import gguf, model_loading
+from stages.common.hf import load_tokenizer
 from stages.engine.errors import ConfigError, HubUnreachableError
 from stages.engine.plan import Graph
 from stages.engine.runner import run_step
@@ -164,7 +165,9 @@ _opened: list[str] | None = None
 
 
 def _audit(event: str, args: tuple) -> None:
-    if _opened is not None and event == "open" and str(args[0]).endswith(".gguf"):
+    """Opens of a .gguf file or of its converted folders (stages/common/gguf.py)."""
+    if _opened is not None and event == "open" and (str(args[0]).endswith(".gguf")
+                                                    or str(gguf.cache_root()) in str(args[0])):
         _opened.append(str(args[0]))
 
 
@@ -191,7 +194,7 @@ def smollm2_cfg(task: str) -> PipelineConfig:
 def test_smollm2_gguf_classifier_then_from_store(tmp_path):
     cfg = smollm2_cfg("seq_cls")
     first, opened = gguf_opens(lambda: run_model(cfg, tmp_path))
-    assert first.computed and opened  # the spy sees the GGUF being read
+    assert first.computed and opened  # the spy sees the GGUF (or the folders converted from it) being read
     m = first.manifest["metrics"]
     assert m["model_class"] == "LlamaForSequenceClassification" and m["pad_token_id"] is not None
     assert m["layers_by_type"]["Linear"] == 30 * 7 + 1 and m["parameters_by_dtype"] == {"float32": 134_516_160}
@@ -203,7 +206,7 @@ def test_smollm2_gguf_classifier_then_from_store(tmp_path):
 
     (second, model), opened = gguf_opens(again)
     assert not second.computed and second.key == first.key
-    assert opened == []  # neither the cached run nor loading the artifact touched the GGUF
+    assert opened == []  # neither the cached run nor loading the artifact touched the GGUF or its conversion
     assert type(model).__name__ == "LlamaForSequenceClassification"
     assert model.config.pad_token_id == m["pad_token_id"]
     logits = forward(model, batch(1000))  # batch of 2 with padding needs the pad token id
@@ -218,10 +221,7 @@ def test_smollm2_gguf_causal_lm(tmp_path):
     model = model_loading.load_model(out.path)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     # a real model, not random weights: it continues a counting sequence
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_stage.split_gguf(SMOLLM2, None)[0]),
-                                        gguf_file=Path(SMOLLM2).name)
+    tok = load_tokenizer(smollm2_cfg("causal_lm"))
     ids = tok("1, 2, 3, 4, 5,", return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert tok.decode(out[0, ids.shape[1]:]).strip().startswith("6")
