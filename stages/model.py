@@ -24,7 +24,7 @@ from torch import nn
 from stages.common import memory
 from stages.common.compat.bitsandbytes import quant_state_bytes
 from stages.common.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
-from stages.common.gguf import converted
+from stages.common.gguf import loadable
 from stages.common.hf import load_tokenizer, split_gguf
 from stages.common.model_loading import (
     LOAD_INFO,
@@ -102,13 +102,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     torch.manual_seed(m.init_seed)  # random models and new heads are reproducible
     source, kwargs, local = (None, {}, None) if m.from_config else split_gguf(m.name, m.gguf_file)
     if "gguf_file" in kwargs and local is not None and local.is_file():
-        source, kwargs = str(converted(local, "model")), {}  # dequantized once per file (stages/common/gguf.py)
+        source, kwargs = loadable(local, "model")  # dequantized once per file (stages/common/gguf.py)
     common = {"config": config, "trust_remote_code": m.trust_remote_code}
     if m.from_config or "gguf_file" in kwargs:
         # build / dequantize in fp32 once, then (re)load from that plain checkpoint to quantize or cast
         if m.from_config:
             model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
-        else:  # a GGUF in a hub repo
+        else:  # a GGUF in a hub repo, or one the cache could not take
             model = cls.from_pretrained(source, revision=m.revision if local is None else None,
                                         dtype=torch.float32, **kwargs, **common)
             clear_gguf_quantizer(model)

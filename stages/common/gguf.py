@@ -40,6 +40,17 @@ def _digest(path: Path) -> str:
     return _memo.sha256(path)
 
 
+def loadable(path: Path, part: str) -> tuple[str, dict[str, Any]]:
+    """What from_pretrained takes for `part` of the GGUF file `path`: its converted folder, or, where the cache
+    cannot be written (read-only, full, not a folder), the file itself as transformers reads it, with a warning."""
+    try:
+        return str(converted(path, part)), {}
+    except OSError as e:
+        log.warning("%s: not converted (%s); read from the GGUF each time instead: set FINETUNE_CACHE to a "
+                    "writable folder to convert it once", path.name, e)
+        return str(path.parent), {"gguf_file": path.name}
+
+
 def converted(path: Path, part: str) -> Path:
     """The folder holding `part` (config, tokenizer or model) of the GGUF file `path`, converting it on the
     first ask; load it with from_pretrained(folder) and no gguf_file."""

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from stages.common.gguf import converted
+from stages.common.gguf import loadable
 from stages.common.hub import ensure_hub_reachable, hub_config_file, hub_identity, resolve_local
 from stages.engine.errors import ConfigError
 from stages.engine.schema import PipelineConfig
@@ -138,7 +138,7 @@ def load_tokenizer(source: Any):
         if local is None:
             ensure_hub_reachable(f"tokenizer {name}", HUB_FIX, name, cfg.model.revision)
         elif "gguf_file" in kwargs and local.is_file():
-            name, kwargs = str(converted(local, "tokenizer")), {}
+            name, kwargs = loadable(local, "tokenizer")
         hf_logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
         tok = AutoTokenizer.from_pretrained(name, revision=cfg.model.revision if local is None else None,

@@ -22,7 +22,7 @@ from stages.common.compat.transformers import (
     keep_in_fp32_modules,
     keys_to_not_convert,
 )
-from stages.common.gguf import converted
+from stages.common.gguf import loadable
 from stages.common.hf import HUB_FIX, split_gguf
 from stages.common.hub import ensure_hub_reachable
 from stages.common.precision import auto_compute_dtype
@@ -101,7 +101,8 @@ def hf_config(m: ModelConfig) -> Any:
 def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(converted(Path(path), "config")))
+    source, kwargs = loadable(Path(path), "config")
+    return AutoConfig.from_pretrained(source, **kwargs)
 
 
 def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

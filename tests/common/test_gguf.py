@@ -66,3 +66,14 @@ def test_a_conversion_runs_once_per_content_and_a_failed_one_leaves_nothing(tmp_
         gguf.converted(f, "config")
     folders = {p.parent.name for p in (tmp_path / "cache" / "gguf").glob("*/*")}
     assert len(folders) == 2 and not list((tmp_path / "cache" / "gguf").glob("*/.tmp-*"))  # nothing of "bad"
+
+
+def test_a_cache_that_cannot_be_written_reads_the_file_itself_with_one_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "a-file" / "cache"))  # under a file: no folder can be made
+    f = tmp_path / "m.gguf"
+    f.write_text("weights")
+    with caplog.at_level("WARNING", logger="finetune"):
+        assert gguf.loadable(f, "tokenizer") == (str(tmp_path), {"gguf_file": "m.gguf"})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "m.gguf: not converted" in warned[0] and "set FINETUNE_CACHE" in warned[0], warned
