@@ -144,8 +144,9 @@ SLOW = {
 
 
 # The files that take longest (sum of their tests' --durations on two busy cores, issue 27), longest first, are
-# collected first: `-n 2 --dist loadfile` hands files to the workers in collection order, and a 90-s file handed
-# out last ran alone on one core while the other was idle. Only the order changes; a file not named keeps its place.
+# collected first: `-n 2 --dist loadfile --no-loadscope-reorder` hands files to the workers in collection order,
+# and a 90-s file handed out last ran alone on one core while the other was idle. Only the order changes; a file
+# not named keeps its place.
 LONGEST_FIRST = ("tests/flows/test_flow.py", "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
                  "tests/flows/test_two_machines.py", "tests/stages/test_export_standalone.py",
                  "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py",
