@@ -34,7 +34,7 @@ ASKED = [("What is the capital of France?", "Paris."), ("What is 2 + 2?", "4."),
          ("How many legs does a spider have?", "Eight."), ("What is frozen water called?", "Ice."),
          ("Which animal says moo?", "A cow."), ("What colour is the sky on a clear day?", "Blue."),
          ("What is the largest ocean on Earth?", "The Pacific."), ("How many days are in a week?", "Seven.")]
-MAX_NEW = 24
+MAX_NEW = 12
 
 
 def conversation(i: int) -> list[dict[str, str]]:
