@@ -84,7 +84,9 @@ def test_classifier_pipeline_runs_end_to_end(store, capfd, monkeypatch):
     monkeypatch.setenv("FINETUNE_PROGRESS", "bar")  # as in a terminal (stages/common/progress.py)
     from sklearn.metrics import f1_score
 
-    out = helpers.run("tiny-imdb", *IMDB)
+    # evaluate forced: the store is shared with the other files that use IMDB (tests/stages/conftest.py), and
+    # whichever runs first computes it; its progress bar is checked below
+    out = helpers.run("tiny-imdb", *IMDB, force=["evaluate"])
     assert list(out) == ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
     ev = out["evaluate"].path
     m = json.loads((ev / "metrics.json").read_text())
