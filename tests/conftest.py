@@ -59,6 +59,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # server (below) is slow too. A name here that no longer matches a test is an error, so the list stays true.
 SLOW = {
     "tests/stages/test_chat_eval.py": ("test_the_baseline_is_the_untuned_model_on_the_same_rows",),
+    "tests/common/test_gguf.py": ("test_the_converted_folders_load_what_transformers_gives_from_the_file",),
     "tests/common/test_quiet.py": (
         "test_a_pipeline_without_quantization_or_8bit_optimizers_never_imports_bitsandbytes",
     ),
@@ -67,6 +68,7 @@ SLOW = {
         "test_editing_code_no_stage_reaches_changes_no_key",
         "test_every_function_and_value_a_stage_runs_is_in_its_key",
     ),
+    "tests/engine/test_gc_live.py": ("test_gc_in_a_loop_beside_a_running_variant_takes_nothing_it_reads_or_commits",),
     "tests/engine/test_store_robustness.py": (
         "test_editing_a_helper_reruns_the_stage_that_calls_it",
         "test_kill_9_at_random_points_never_leaves_a_cached_partial",
@@ -78,6 +80,9 @@ SLOW = {
     ),
     "tests/flows/test_demo.py": (
         "test_demo_tiny_slice_end_to_end_then_cached_without_prefect",
+    ),
+    "tests/flows/test_first_start.py": (
+        "test_runs_started_at_once_on_a_fresh_prefect_home_migrate_once_and_print_no_traceback",
     ),
     "tests/flows/test_flow.py": (
         "test_a_stopped_run_crashes_and_stops_its_temporary_server",
@@ -107,6 +112,7 @@ SLOW = {
         "test_imdb_split_reproduces_the_article",
     ),
     "tests/stages/test_distributed.py": (
+        "test_a_config_error_in_a_launched_process_is_the_stage_error_of_its_class",
         "test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes",
         "test_the_stage_on_two_machines_each_with_its_own_store",
         "test_the_stage_with_two_processes_through_the_store",
