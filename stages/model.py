@@ -24,8 +24,7 @@ from torch import nn
 from stages.common import memory
 from stages.common.compat.bitsandbytes import quant_state_bytes
 from stages.common.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
-from stages.common.gguf import loadable
-from stages.common.hf import load_tokenizer, split_gguf
+from stages.common.hf import load_tokenizer, pretrained_source
 from stages.common.model_loading import (
     LOAD_INFO,
     auto_class,
@@ -100,9 +99,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     qconfig = bnb_config(q, plan)
     t0 = time.perf_counter()
     torch.manual_seed(m.init_seed)  # random models and new heads are reproducible
-    source, kwargs, local = (None, {}, None) if m.from_config else split_gguf(m.name, m.gguf_file)
-    if "gguf_file" in kwargs and local is not None and local.is_file():
-        source, kwargs = loadable(local, "model")  # dequantized once per file (stages/common/gguf.py)
+    source, kwargs, local = (None, {}, None) if m.from_config else pretrained_source(m.name, m.gguf_file, "model")
     common = {"config": config, "trust_remote_code": m.trust_remote_code}
     if m.from_config or "gguf_file" in kwargs:
         # build / dequantize in fp32 once, then (re)load from that plain checkpoint to quantize or cast

@@ -53,7 +53,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(cache, ignore_errors=True)
 
 
-
 # The `slow` tests (`make test-fast` = pytest -m "not slow and not cluster" leaves them out): each took >= 10 s
 # in the --durations profile of issue 27 (two busy cores), by file; every test that uses the worker's Prefect
 # server (below) is slow too. A name here that no longer matches a test is an error, so the list stays true.

@@ -7,37 +7,46 @@ process that asks (tokenize, model, evaluate, export, each test). Converted once
 second. What was loaded is what transformers' own GGUF loader gave: the conversion is that loader's result,
 saved with save_pretrained.
 
-The cache never stands in for another file: a folder is named by the GGUF's sha256 and the transformers
-version that converted it, and is written whole under a temporary name, then renamed (a folder that
-exists is complete). The store's keys still read the GGUF file itself (stages/common/hf.py)."""
+The cache never stands in for another file: a folder is named by the GGUF's sha256, the transformers
+version and the digest of the code that converted it, and is written whole under a temporary name, then
+renamed (a folder that exists is complete). The store's keys still read the GGUF file itself (stages/common/hf.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import importlib.util
 import logging
-import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
 from stages.engine.fingerprint import HashMemo
+from stages.engine.paths import cache_dir
 
 log = logging.getLogger("finetune.model")
 
 PARTS = ("config", "tokenizer", "model")
-_memo: HashMemo | None = None
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune") / "gguf"
+    return cache_dir() / "gguf"
 
 
-def _digest(path: Path) -> str:
-    global _memo
-    if _memo is None or _memo.path != cache_root() / "hashes.db":
-        _memo = HashMemo(cache_root() / "hashes.db")
-    return _memo.sha256(path)
+@functools.lru_cache(maxsize=4)
+def _memo(path: Path) -> HashMemo:
+    return HashMemo(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _converter_digest() -> str:
+    """The conversion's own code (this module and the transformers workaround it calls): an edit to either
+    names new folders, so a conversion made by older code is never read again."""
+    compat = importlib.util.find_spec("stages.common.compat.transformers")  # its file, without importing torch
+    assert compat is not None and compat.origin
+    return hashlib.sha256(Path(__file__).read_bytes() + Path(compat.origin).read_bytes()).hexdigest()
 
 
 def loadable(path: Path, part: str) -> tuple[str, dict[str, Any]]:
@@ -57,7 +66,9 @@ def converted(path: Path, part: str) -> Path:
     import transformers
 
     assert part in PARTS, part
-    folder = cache_root() / f"{_digest(path)[:32]}-transformers-{transformers.__version__}" / part
+    root = cache_root()
+    digest = _memo(root / "hashes.db").sha256(path)
+    folder = root / f"{digest[:32]}-transformers-{transformers.__version__}-code-{_converter_digest()[:8]}" / part
     if folder.is_dir():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,15 @@ def split_gguf(name: str, gguf_file: str | None) -> tuple[str, dict[str, Any], P
     return name, kwargs, None
 
 
+def pretrained_source(name: str, gguf_file: str | None, part: str) -> tuple[str, dict[str, Any], Path | None]:
+    """split_gguf for loading: a local GGUF file's `part` (config, tokenizer, model) is read from the folder it
+    was converted to once (stages/common/gguf.py); `local` stays the file, which keys hash."""
+    source, kwargs, local = split_gguf(name, gguf_file)
+    if "gguf_file" in kwargs and local is not None and local.is_file():
+        source, kwargs = loadable(local, part)
+    return source, kwargs, local
+
+
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 
@@ -134,11 +143,9 @@ def load_tokenizer(source: Any):
     else:
         cfg = source
         gguf = None if cfg.tokenize.tokenizer else cfg.model.gguf_file
-        name, kwargs, local = split_gguf(tokenizer_name(cfg), gguf)
+        name, kwargs, local = pretrained_source(tokenizer_name(cfg), gguf, "tokenizer")
         if local is None:
             ensure_hub_reachable(f"tokenizer {name}", HUB_FIX, name, cfg.model.revision)
-        elif "gguf_file" in kwargs and local.is_file():
-            name, kwargs = loadable(local, "tokenizer")
         hf_logging.set_verbosity_error()
         logging.getLogger("transformers").setLevel(logging.ERROR)
         tok = AutoTokenizer.from_pretrained(name, revision=cfg.model.revision if local is None else None,

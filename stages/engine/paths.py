@@ -33,6 +33,12 @@ def work_root() -> Path:
     return PROJECT_ROOT if SOURCE_CHECKOUT else Path.cwd()
 
 
+def cache_dir() -> Path:
+    """This machine's cache ($FINETUNE_CACHE, default ~/.cache/finetune): local copies of a shared store's
+    artifacts, GGUF files converted once. Never part of a key; deleting it costs downloads and conversions."""
+    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+
+
 def why_missing(path: Path) -> str:
     """Why a path that does not exist is not there, in words: a symlink loop, a broken symlink, or none."""
     if path.is_symlink():

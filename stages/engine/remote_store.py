@@ -38,6 +38,7 @@ from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import KeysLease, Lease
 from stages.engine.names import name_problem
+from stages.engine.paths import cache_dir
 from stages.engine.store import MANIFEST, Store, log, manifest_problems, now_iso
 
 POLL_S = 0.5
@@ -49,8 +50,7 @@ class RemoteStore(Store):
     def __init__(self, url: str, cache: Path | None = None):
         self.url = url.rstrip("/")
         self.fs, self.base = fsspec.core.url_to_fs(self.url)
-        cache_root = cache or Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
-        super().__init__(cache_root / sha256_text(self.url)[:16])
+        super().__init__((cache or cache_dir()) / sha256_text(self.url)[:16])
         self._cache = Store(self.root)
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from stages import model as model_stage
 from stages.common import gguf, model_loading
-from stages.common.hf import load_tokenizer
+from stages.common.hf import load_tokenizer, split_gguf
 from stages.engine.errors import ConfigError, HubUnreachableError
 from stages.engine.plan import Graph
 from stages.engine.runner import run_step
@@ -193,7 +193,7 @@ def smollm2_cfg(task: str) -> PipelineConfig:
 
 def test_smollm2_gguf_classifier_then_from_store(tmp_path):
     cfg = smollm2_cfg("seq_cls")
-    _, opened = gguf_opens(lambda: open(model_stage.split_gguf(SMOLLM2, None)[2], "rb").close())
+    _, opened = gguf_opens(lambda: open(split_gguf(SMOLLM2, None)[2], "rb").close())
     assert opened  # the spy sees the GGUF being read (the folders converted from it are read in Rust, unseen)
     first = run_model(cfg, tmp_path)
     assert first.computed
