@@ -1,11 +1,11 @@
 """A local GGUF file as plain Hugging Face folders, converted once per file content and transformers version.
 
-transformers reads a GGUF's metadata (its whole vocabulary) in Python and dequantizes its tensors on every
-load: SmolLM2-135M-Instruct's 98 MB file took 4 CPU-s to give a tokenizer and 16 to give a model
-(bench/gguf_load.py), in every process that asks (tokenize, model, evaluate, export, each test). Converted once into `$FINETUNE_CACHE/gguf/`
-(config.json, model.safetensors in fp32, the tokenizer's files), a later load reads those in a fraction of a
-second. What was loaded is what transformers' own GGUF loader gave: the conversion is that loader's result,
-saved with save_pretrained.
+transformers reads a GGUF's metadata (its whole vocabulary) in Python and dequantizes its tensors on every load:
+SmolLM2-135M-Instruct's 98 MB file took 4 CPU-s to give a tokenizer and 16 to give a model (bench/gguf_load.py),
+in every process that asks (tokenize, model, evaluate, export, each test). Converted once into
+`$FINETUNE_CACHE/gguf/` (config.json, model.safetensors in fp32, the tokenizer's files), a later load reads those
+in a fraction of a second. What was loaded is what transformers' own GGUF loader gave: the conversion is that
+loader's result, saved with save_pretrained.
 
 The cache never stands in for another file: a folder is named by the GGUF's sha256, the transformers
 version and the digest of the code that converted it, and is written whole under a temporary name, then
