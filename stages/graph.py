@@ -80,6 +80,8 @@ GRAPH = Graph([
         resolve=resolve_mixed_precision,  # auto -> the precision this machine trains in, before the keys
         reports=True,  # its loss and time are a run's headline numbers
         volatile=("metrics.jsonl", "tensorboard/*", "loss.png"),  # timings and event-file names: not the weights
+        history="metrics.jsonl",  # a tracked run's step metrics (loss, lr, grad norm, tokens/s, validation)
+        tracked=("loss.png",),
         check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
@@ -91,6 +93,7 @@ GRAPH = Graph([
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
         inputs=lambda cfg: metric_files(cfg, task_of(cfg.model.task)),  # the evaluate modules' files, by path
         reports=True,
+        tracked=("metrics.json",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
     ),
     Stage(
@@ -103,6 +106,8 @@ GRAPH = Graph([
         # names it, so it is in this key: a moved data file re-exports rather than ship its old location.
         reads=("name", "description", "overrides", *CARD_SECTIONS, "data.path"),
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
+        tracked=("README.md", "finetune_pipeline.yaml"),  # the model card and the pipeline that rebuilds it
+        produces_model=True,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
     ),
 ])

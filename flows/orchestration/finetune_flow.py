@@ -54,13 +54,14 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
              config: str | None = None) -> list[dict[str, Any]] | State:
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     route_logs()
-    claim_and_reap(current_flow_run_id())
+    flow_run_id = current_flow_run_id()
+    claim_and_reap(flow_run_id)
     store = open_store()
     try:  # the plan the command line prepared, else (a deployment's run) prepared here
         plan = take(request(pipeline, overrides, config, only, until, force or [], verify)) or GRAPH.plan(
             load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE), store, only=only, until=until,
             force=force or [], verify=verify)
-        run = Execution(plan, store)
+        run = Execution(plan, store, {"finetune.prefect.flow_run_id": str(flow_run_id)} if flow_run_id else None)
     except FinetuneError as e:  # an unknown stage name, --only without its upstream: one line, as a stage's
         return user_error(e)
     states: dict[str, State] = {}

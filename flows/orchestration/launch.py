@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from flows.reports.variants import add_sweep_args, compare_hint, from_args, save_definition, spec
-from stages.engine.cli import guarded, parser, setup_logging, user_errors
+from stages.engine.cli import add_track_option, guarded, parser, setup_logging, user_errors
 from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
 from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
+from stages.engine.tracking import TRACK_ENV
 from stages.graph import GRAPH
 
 
@@ -59,6 +61,7 @@ def sweep_parser(prog: str) -> argparse.ArgumentParser:
     add_sweep_args(p)
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="child runs at once (default 1); each "
                    "runs in its own process")
+    add_track_option(p)
     p.add_argument("--on-workers", action="store_true", help="run each child as a run of the finetune/<pipeline> "
                    "deployment, picked up by a work pool's workers (needs PREFECT_API_URL; docs/two-machines.md)")
     return p
@@ -70,6 +73,8 @@ def sweep_main(argv: list[str] | None = None, prog: str = "python -m flows.sweep
     def go() -> int:
         if args.parallel < 1:
             raise ConfigError(f"--parallel {args.parallel}: must be >= 1")
+        if args.track:  # every run of the sweep (each child inherits it) and the sweep's parent run
+            os.environ[TRACK_ENV] = "1"
         sw = from_args(args, args.target)  # every run's config validated before Prefect starts
         setup_logging()
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call otherwise

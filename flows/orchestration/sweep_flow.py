@@ -43,6 +43,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
 from stages.engine.runs import SWEEP_ENV
+from stages.engine.tracking import Tracker, child_env, start_sweep
 
 log = logging.getLogger("finetune.sweep")
 
@@ -75,17 +76,19 @@ def _stop_children(grace_s: float = 15) -> None:
 
 
 @task(name="variant", cache_policy=NONE)
-def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: bool = False) -> dict[str, Any]:
+def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: bool = False,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
     """Create the child flow run (linked to this task run, so the UI nests it under the sweep) and run it in
     a process of its own, or (on_workers) as a run of the `finetune/<pipeline>` deployment that a work pool's
-    worker picks up; its outcome is the flow run's final state."""
+    worker picks up; its outcome is the flow run's final state. `env`: the child's MLflow run name and parent."""
     params = {"pipeline": run.cfg.name, "overrides": run.overrides, "config": config}
     if on_workers:
         from prefect.deployments import run_deployment
 
         default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
         fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
-                            flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None)
+                                 flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None,
+                                 job_variables={"env": env} if env else None)
         return _outcome(run, fr.name, fr.state, None)
     parent = TaskRunContext.get().task_run.id
     with get_client(sync_client=True) as client:
@@ -99,7 +102,7 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         # a context without the parent's settings: the child reaches the same API through PREFECT_API_URL
         proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
                                       context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
-                                      env={"PREFECT_API_URL": api_url})
+                                      env={"PREFECT_API_URL": api_url, **(env or {})})
         _CHILDREN.add(proc)
     try:
         proc.join()
@@ -138,17 +141,24 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     print(f"sweep {sw.name}: {len(sw.runs)} runs of {sw.config.pipeline} ({len(sw.variants())} variants"
           f"{f' x {len(sw.config.seeds)} seeds' if sw.config.seeds else ''}), {max(1, parallel)} at a time")
     os.environ[SWEEP_ENV] = sw.name  # the children's run records name their sweep (flows.inspect runs --sweep)
+    # MLflow (when tracking is on): a parent run for the sweep, each child's run nested under it
+    tracker = start_sweep(sw.runs[0].cfg, sw.name, sw.config.model_dump(mode="json"))
     try:
-        results, failed = _run_all(sw, parallel, config, api_url, on_workers)
+        results, failed = _run_all(sw, parallel, config, api_url, on_workers, tracker)
     finally:
         os.environ.pop(SWEEP_ENV, None)
-    publish(sw)
+    files = publish(sw)
+    if tracker is not None:
+        for f in files.values():
+            tracker.artifact(f)
+        tracker.end("FAILED" if failed else "FINISHED")
     if failed:
         return Failed(message=f"{len(failed)} of {len(sw.runs)} runs failed: " + "; ".join(failed))
     return results
 
 
-def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool) -> tuple[list[dict], list[str]]:
+def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bool,
+             tracker: Tracker | None = None) -> tuple[list[dict], list[str]]:
     """Every run as a `variant` task on Prefect's thread-pool task runner, `parallel` at a time, until all
     have finished: (their summaries in the sweep's order, the failures). On an interrupt the children are
     ended first: the runner's exit cancels the tasks not started, then waits for the running ones."""
@@ -157,7 +167,8 @@ def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bo
     with ThreadPoolTaskRunner(max_workers=max(1, parallel)) as runner:
         futures = [runner.submit(run_child.with_options(task_run_name=literal_task_run_name(run.label)),
                                  {"sweep_name": sw.name, "run": run, "config": config, "api_url": api_url,
-                                  "on_workers": on_workers}) for run in sw.runs]
+                                  "on_workers": on_workers, "env": child_env(tracker, run.label)})
+                   for run in sw.runs]
         try:
             pending: list[Any] = futures
             while pending:  # wait in short slices: a blocking wait would keep Ctrl-C / SIGTERM from the flow
@@ -174,10 +185,11 @@ def _run_all(sw: Sweep, parallel: int, config: str, api_url: str, on_workers: bo
     return results, failed
 
 
-def publish(sw: Sweep) -> None:
-    """The comparison table (`sweep-<name>`), the chart in the store and the markdown linking it. A UI extra:
-    a failure here is a warning, never a failed sweep."""
+def publish(sw: Sweep) -> dict[str, Any]:
+    """The comparison table (`sweep-<name>`), the chart in the store and the markdown linking it; returns the
+    files written (none when it failed). A UI extra: a failure here is a warning, never a failed sweep."""
     key = artifact_key("sweep", sw.name)
+    files: dict[str, Any] = {}
     try:
         result = comparison.compare(sw, open_store())
         create_table_artifact(table=comparison.table_rows(result), key=key,
@@ -188,3 +200,4 @@ def publish(sw: Sweep) -> None:
                                  description=f"sweep {sw.name}: {sw.config.metric} per variant, loss curves")
     except Exception as e:  # noqa: BLE001
         log.warning("sweep %s: comparison artifacts not published: %s", sw.name, e)
+    return files

@@ -11,6 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.progress import Progress
+from stages.engine.tracking import RECORDS_LOGGER
+
+# Each record written also goes to this logger, for a listener the run attaches (experiment tracking,
+# stages/engine/tracking.py): through logging, so that no tracking code is part of the train stage's code
+# (nor of its key). Not propagated: a record is data, not a line for people.
+RECORDS = logging.getLogger(RECORDS_LOGGER)
+RECORDS.propagate = False
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -56,6 +63,8 @@ class RunLog:
     def write(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if RECORDS.handlers:
+            RECORDS.info("%s", record.get("kind"), extra={"record": record})
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, int | float):

@@ -35,8 +35,15 @@ def parser(prog: str, default_pipeline: str | None = None) -> argparse.ArgumentP
     p.add_argument("--until", metavar="STAGE", help="stop after this stage")
     p.add_argument("--force", action="append", default=[], metavar="STAGE", help="recompute this stage")
     p.add_argument("--verify", action="store_true", help="check full sha256 of cached artifacts, not just sizes")
+    add_track_option(p)
     add_config_option(p)
     return p
+
+
+def add_track_option(p: argparse.ArgumentParser) -> None:
+    """`--track`: log the run to MLflow (tracking.mlflow.uri or MLFLOW_TRACKING_URI; docs/tracking.md)."""
+    p.add_argument("--track", action="store_true", help="log the run to MLflow at tracking.mlflow.uri or "
+                   "MLFLOW_TRACKING_URI (pip install '.[mlflow]'; docs/tracking.md)")
 
 
 def add_config_option(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ the plan it returns (stages/engine/runner.py); `--only`, `--until` and `--force`
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,8 @@ from stages.engine.fingerprint import (
 from stages.engine.schema import PipelineConfig
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
+from stages.engine.tracking import TRACK_ENV
+from stages.engine.tracking import check as check_tracking
 
 if TYPE_CHECKING:
     import argparse
@@ -88,7 +91,10 @@ class Graph:
                                       f"{', '.join(self.names)}")
 
     def load(self, args: argparse.Namespace) -> PipelineConfig:
-        """The config a command line names (pipeline, --set, --config), its stage options checked."""
+        """The config a command line names (pipeline, --set, --config), its stage options checked; `--track`
+        turns tracking on for this process and those it starts."""
+        if getattr(args, "track", False):
+            os.environ[TRACK_ENV] = "1"
         self.check_selection(getattr(args, "force", ()), getattr(args, "only", None), getattr(args, "until", None))
         return load_pipeline(args.pipeline, args.overrides, args.config)
 
@@ -123,7 +129,7 @@ class Graph:
             -> tuple[PipelineConfig, dict[str, list[Path] | dict[str, Path]], dict[str, dict[str, str]]]:
         """Everything that can be known before a run, checked without touching the store: the stage options,
         the stages' derived fields and the data they read (Stage.resolve), each stage's config checks
-        (Stage.check), every input file the stages name, and that each hub repo the selected stages download
+        (Stage.check), tracking (for a run), every input file the stages name, and that each hub repo the selected stages download
         can be pinned (each revision resolved once). Raises one FinetuneError; returns the resolved config
         and each stage's input files and hub pins."""
         self.check_selection((), only, until)
@@ -133,6 +139,8 @@ class Graph:
         for st in self.stages:
             if st.check is not None:
                 st.check(cfg)
+        if pinned:  # a run, not a report: tracking that is on must be able to work
+            check_tracking(cfg)
         files = {st.name: st.inputs(cfg) for st in self.stages}  # a wrong path raises here, for every stage
         deps = {st.name: st.deps(cfg) for st in self.stages}
         chosen = [only] if only else self.names[: self.names.index(until) + 1] if until else self.names

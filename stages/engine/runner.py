@@ -20,6 +20,7 @@ from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
 from stages.engine.store import Outcome, Store
+from stages.engine.tracking import RunTracking
 from stages.engine.units import human_bytes
 
 log = logging.getLogger("finetune")
@@ -106,10 +107,11 @@ def read_upstream(plan: Plan, store: Store) -> dict[str, Outcome]:
 
 class Execution:
     """One run of a plan: its outcomes so far (`done`: what the next step's upstream reads) and its record
-    in the run history. Used as a context manager around the loop over `pending()`; the run ends with the
-    plan, after a JOINED step (nothing of it here for the stages after), or failed with what raised."""
+    in the run history, and in MLflow when tracking is on (`tags`: the caller's, e.g. its Prefect flow run).
+    Used as a context manager around the loop over `pending()`; the run ends with the plan, after a JOINED
+    step (nothing of it here for the stages after), or failed with what raised."""
 
-    def __init__(self, plan: Plan, store: Store):
+    def __init__(self, plan: Plan, store: Store, tags: dict[str, str] | None = None):
         self.plan, self.store = plan, store
         if freed := store.local.sweep_tmp():  # what runs that died on this store left in .tmp
             log.info("store: removed %s of dead runs' temporary folders (.tmp)", human_bytes(freed))
@@ -119,6 +121,8 @@ class Execution:
         self.failed = False
         self.record = RunRecord(records_root(store), plan.cfg.name, plan.cfg.overrides, plan.selection(),
                                 [s.name for s in plan.graph if s.reports])
+        self.tracking = RunTracking.start(plan.cfg, {"finetune.run_record": self.record.data["id"],
+                                                     "finetune.store": str(store), **(tags or {})})
 
     def pending(self) -> Iterator[Planned]:
         for item in self.plan.steps:
@@ -132,6 +136,8 @@ class Execution:
         self.done[outcome.stage] = outcome
         self.outcomes.append(outcome)
         self.record.stage(outcome)
+        if self.tracking is not None:
+            self.tracking.stage(self.plan.graph[outcome.stage], outcome)
         self.current = None
         return outcome
 
@@ -147,6 +153,9 @@ class Execution:
             self.record.failed(self.current, err)
         elif not self.failed:
             self.record.end()
+        if self.tracking is not None:
+            self.tracking.end("FAILED" if self.failed or isinstance(err, Exception)
+                              else "KILLED" if err is not None else "FINISHED")
 
     def fail(self, message: str) -> None:
         """The current step failed without raising here (the flow's task ended Failed)."""

@@ -15,7 +15,7 @@ from stages.engine.choices import choice_of
 from stages.engine.names import Name
 from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
-SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
+SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
 
 
 def runtime(default: Any = None, **kw: Any) -> Any:
@@ -413,6 +413,20 @@ class ExportConfig(Section):
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
 
 
+class MlflowTracking(Section):
+    enabled: bool | None = runtime(None, description="log each run to MLflow (docs/tracking.md). null: on when "
+                                   "`uri` is set here; `--track` (FINETUNE_TRACK=1) turns it on for one command")
+    uri: str | None = runtime(None, description="the MLflow tracking server, e.g. http://127.0.0.1:5000; default "
+                              "MLFLOW_TRACKING_URI")
+    experiment: str | None = runtime(None, description="the MLflow experiment the runs go to; default "
+                                     "MLFLOW_EXPERIMENT_NAME, else `finetune`")
+
+
+class TrackingConfig(Section):
+    mlflow: MlflowTracking = runtime(MlflowTracking(), description="MLflow: one run per pipeline run, a parent "
+                                     "run per sweep (pip install '.[mlflow]')")
+
+
 # the config sections the export stage's model card prints; stages/graph.py declares them (with name,
 # description) as export's reads
 CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
@@ -435,6 +449,8 @@ class PipelineConfig(BaseModel):
     train: TrainConfig = Field(TrainConfig(), description="the train stage")
     evaluate: EvaluateConfig = Field(EvaluateConfig(), description="the evaluate stage")
     export: ExportConfig = Field(ExportConfig(), description="the export stage")
+    tracking: TrackingConfig = runtime(TrackingConfig(), description="experiment tracking (MLflow); never in a "
+                                       "key, no stage reads it")
     overrides: list[str] = Field(default_factory=list, description="the `--set` overrides this config was "
                                  "loaded with, as given (set by the loader, never in pipeline.yaml); a stage that "
                                  "reads them sees those of the fields it reads")

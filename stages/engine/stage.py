@@ -77,6 +77,12 @@ class Stage:
     # named by time and pid), which no downstream stage reads: verified like the others, but out of the
     # artifact's digest, so a retrain that reproduces its weights leaves the stages after it cached.
     volatile: tuple[str, ...] = ()
+    # Experiment tracking (stages/engine/tracking.py; never in a key): a JSON-lines file of its artifact whose
+    # records with a `step` are step metrics, the files (fnmatch patterns) logged as the run's artifacts, and
+    # whether its artifact is the model the run produced (linked from the run).
+    history: str | None = None
+    tracked: tuple[str, ...] = ()
+    produces_model: bool = False
 
 
 class ConfigView:
