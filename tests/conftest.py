@@ -185,6 +185,16 @@ def store_dir(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory) -> Iterator[str]:
+    """A real MLflow tracking server (sqlite, 127.0.0.1) for this test process, started by the first test that
+    asks (about 9 s). Tests that share it each log to an experiment of their own."""
+    from mlflowserver import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """An S3 API on 127.0.0.1 (moto's server) for this test session, with bucket `finetune-test`; boto's
     standard settings (AWS_ENDPOINT_URL, dummy keys) point this process and its children at it."""

@@ -151,6 +151,20 @@ def history(path: Path) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------ the client thread
+THREAD = "finetune-mlflow"
+
+
+class QuietRetries(logging.Filter):
+    """urllib3 logs each retry of a request as a warning; on the tracking thread the failure itself is the one
+    line a run shows (Tracker._fail), so its retries are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != THREAD
+
+
+_QUIET = QuietRetries()
+
+
 class Tracker:
     """One MLflow run, fed from the run's thread(s) and sent from a thread of its own. Nothing here raises
     into the run: the first failure of the server is one warning, then every later call is dropped."""
@@ -158,6 +172,7 @@ class Tracker:
     def __init__(self, s: Settings, run_name: str, tags: dict[str, str], parent: str | None = None):
         for k, v in CLIENT_ENV.items():
             os.environ.setdefault(k, v)
+        logging.getLogger("urllib3.connectionpool").addFilter(_QUIET)  # adding it twice keeps one
         self.settings = s
         self.run_id: str | None = None
         self.url: str | None = None
@@ -169,7 +184,7 @@ class Tracker:
         self._calls: queue.Queue[Callable[[Any], None] | None] = queue.Queue()
         self._client: Any = None
         all_tags = {**tags, **({"mlflow.parentRunId": parent} if parent else {})}
-        self._thread = threading.Thread(target=self._loop, name="finetune-mlflow", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=THREAD, daemon=True)
         self._thread.start()
         self.call(lambda c: self._create(c, run_name, all_tags))
 
@@ -220,10 +235,9 @@ class Tracker:
         self.call(lambda c: c.set_terminated(self.run_id, status))
         self._calls.put(None)
         self._thread.join(wait_s)
-        if self._thread.is_alive() and not self.failed:
-            self.failed = True
-            log.warning("tracking: MLflow at %s did not take this run's last records within %.0f s; the run "
-                        "ended regardless (its store and run record are complete)", self.settings.uri, wait_s)
+        if self._thread.is_alive():
+            self._fail("tracking: MLflow at %s did not take this run's last records within %.0f s; the run ended "
+                       "regardless (the store and the run record keep everything)", self.settings.uri, wait_s)
 
     # --- the tracking thread
     def _loop(self) -> None:
@@ -281,13 +295,19 @@ class Tracker:
             self._client.log_batch(self.run_id, metrics=[Metric(n, v, t, s) for n, v, s, t in batch[i: i + BATCH]])
 
     def _give_up(self, e: BaseException) -> None:
-        self.failed = True
-        self.started.set()
+        self._fail("tracking: MLflow at %s failed (%s: %s); this run goes on untracked, the store and the run "
+                   "record keep everything (finetune inspect runs)", self.settings.uri, type(e).__name__,
+                   " ".join(str(e).split())[:160])
+
+    def _fail(self, message: str, *args: Any) -> None:
+        """The one warning: every call after it is dropped."""
         with self._lock:
+            if self.failed:
+                return
+            self.failed = True
             self._metrics.clear()
-        log.warning("tracking: MLflow at %s failed (%s: %s); this run goes on untracked, the store and the run "
-                    "record keep everything (finetune inspect runs)", self.settings.uri, type(e).__name__,
-                    " ".join(str(e).split())[:160])
+        self.started.set()
+        log.warning(message, *args)
 
 
 # ------------------------------------------------------------------------------------------ a pipeline run

@@ -31,6 +31,7 @@ from flows.sweep import main as sweep_main
 from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
+from stages.engine.tracking import TRACK_ENV
 
 EXTRA = """
   lr-pair:
@@ -120,12 +121,16 @@ def test_bad_variant_value_names_the_variant_and_exits_2(config, capsys):
 
 @needs_shared_data
 def test_parallel_children_share_stages_through_the_store_lock_then_compare_and_diff(prefect_server, config,
-                                                                                    store_dir):
+                                                                                    store_dir, mlflow_url, monkeypatch):
     """Two children at once (one sweep run for all that follows: a sequential sweep is run by
-    tests/flows/test_user_session.py): the stages they share computed once, through the store's lock."""
+    tests/flows/test_user_session.py): the stages they share computed once, through the store's lock. Tracked
+    (--track's variable): one MLflow parent run for the sweep, a run nested under it per child."""
     # no capsys in the tests that run flows: Prefect's log handler would keep its closed stream
     from flows.orchestration.sweep_flow import run_sweep
 
+    experiment = f"sweep-{os.getpid()}-{time.time_ns()}"
+    for k, v in ((TRACK_ENV, "1"), ("MLFLOW_TRACKING_URI", mlflow_url), ("MLFLOW_EXPERIMENT_NAME", experiment)):
+        monkeypatch.setenv(k, v)
     state = run_sweep("lr-pair", parallel=2, config=str(config), return_state=True)
     assert state.is_completed(), state.message
     assert [r["run"] for r in state.result()] == ["lr=0.001", "lr=0.01"]
@@ -172,6 +177,24 @@ def test_parallel_children_share_stages_through_the_store_lock_then_compare_and_
     acc = next(m for m in d["metrics"] if m["metric"] == "evaluate.test.accuracy")
     assert (acc["a"], acc["b"]) == (by[1e-3]["mean"], by[1e-2]["mean"]) and not acc["a_stale"]
     assert "train.lr" in render_diff(d) and "changed params: train.lr" in render_diff(d)
+
+    # MLflow: the sweep's parent run (its comparison as artifacts), each child's run nested under it
+    from mlflow import MlflowClient
+
+    c = MlflowClient(mlflow_url)
+    runs = c.search_runs([c.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("finetune.kind") == "sweep"]
+    children = [r for r in runs if r is not parent]
+    assert parent.info.run_name == "lr-pair" and parent.info.status == "FINISHED"
+    assert {r.info.run_name for r in children} == {"lr=0.001", "lr=0.01"}
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert {r.data.params["train.lr"] for r in children} == {"0.001", "0.01"}
+    assert all(r.data.tags["finetune.sweep"] == "lr-pair" and r.info.status == "FINISHED" for r in children)
+    assert {a.path for a in c.list_artifacts(parent.info.run_id)} == {"comparison.md", "comparison.json",
+                                                                      "runs.csv", "chart.png"}
+    for r in children:
+        lr = float(r.data.params["train.lr"])
+        assert r.data.metrics["evaluate.splits.test.accuracy"] == by[lr]["mean"]
 
 
 @needs_shared_data
