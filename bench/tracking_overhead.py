@@ -82,7 +82,7 @@ def main() -> int:
         points = [sum(len(c.get_metric_history(r.info.run_id, k)) for k in r.data.metrics) for r in runs]
         requests = log_batch_requests(Path(tmp) / "mlflow-server.log")
     med = {m: [statistics.median(x[j] for x in rows[m]) for j in range(3)] for m in rows}
-    print(f"\n| tracking | train stage s | command s | CPU s |\n|---|---:|---:|---:|")
+    print("\n| tracking | train stage s | command s | CPU s |\n|---|---:|---:|---:|")
     for m in ("off", "on"):
         print(f"| {m} | {med[m][0]:.1f} | {med[m][1]:.1f} | {med[m][2]:.1f} |")
     print(f"| on / off | {med['on'][0] / med['off'][0]:.3f} | {med['on'][1] / med['off'][1]:.3f} | "

@@ -1,7 +1,7 @@
 """The `finetune` console command ([project.scripts]; also `python -m flows`): one subcommand per entry point,
 each the `main` of a `flows/<module>.py`, the way `dvc` and `prefect` group theirs.
 
-    finetune run PIPELINE [--set KEY=VALUE] [--only STAGE] [--until STAGE] [--force STAGE] [--verify]
+    finetune run PIPELINE [--set KEY=VALUE] [--only STAGE] [--until STAGE] [--force STAGE] [--verify] [--track]
     finetune sweep NAME | PIPELINE --grid KEY=V1,V2 [--seeds 1,2,3] [--parallel N]
     finetune serve [PIPELINE ...]
     finetune inspect status|show|path|gc|memory|compare|diff|runs ...

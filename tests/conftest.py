@@ -73,6 +73,10 @@ SLOW = {
         "test_kill_9_at_random_points_never_leaves_a_cached_partial",
         "test_two_concurrent_runs_compute_each_stage_once",
     ),
+    "tests/engine/test_tracking.py": (
+        "test_a_tracked_run_holds_its_config_history_metrics_and_keys_and_a_cached_rerun_the_same",
+        "test_a_server_killed_mid_run_costs_one_warning_and_the_run_finishes",
+    ),
     "tests/engine/test_store_s3.py": (
         "test_dead_holders_lease_expires_a_live_holders_never",
         "test_two_machines_racing_for_one_key_exactly_one_wins",

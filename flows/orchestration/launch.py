@@ -2,8 +2,8 @@
 sweep` (the `sweep` flow). The config is validated before Prefect is imported, so bad input costs a second,
 prints one line, exits 2 and writes nothing.
 
-    finetune run PIPELINE [--set train.lr=1e-4] [--only STAGE] [--until STAGE] [--force STAGE] [--verify]
-    finetune sweep NAME [--parallel N]                       a sweep of pipeline.yaml's `sweeps:`
+    finetune run PIPELINE [--set train.lr=1e-4] [--only STAGE] [--until STAGE] [--force STAGE] [--verify] [--track]
+    finetune sweep NAME [--parallel N] [--track]             a sweep of pipeline.yaml's `sweeps:`
     finetune sweep PIPELINE --grid train.lr=1e-4,5e-4 [--grid KEY=V1,V2 ...] [--set KEY=VALUE ...]
                             [--seeds 1,2,3] [--metric test.accuracy] [--mode max] [--parallel N]
 

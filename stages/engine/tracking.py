@@ -356,7 +356,8 @@ class RunTracking:
         if o.computed:
             self.computed.append(st.name)
         manifest = o.manifest or {}
-        metrics = manifest.get("metrics") if isinstance(manifest.get("metrics"), dict) else {}
+        found = manifest.get("metrics")
+        metrics: dict[str, Any] = found if isinstance(found, dict) else {}
         tags = {f"finetune.{st.name}.key": o.key, f"finetune.{st.name}.status": status}
         if st.reports:  # its short text metrics (train's precision and why) as tags, its numbers as metrics
             tags.update({f"finetune.{st.name}.{k}": v for k, v in metrics.items() if isinstance(v, str)})
@@ -396,4 +397,4 @@ def child_env(parent: Tracker | None, label: str, wait_s: float = 30.0) -> dict[
     """The environment of a sweep's run: nested under the parent (once the server has made it), named by its
     variant, tracked whether or not the sweep was started with --track."""
     run_id = parent.wait_started(wait_s) if parent is not None else None
-    return {RUN_NAME_ENV: label, **({PARENT_ENV: run_id, TRACK_ENV: "1"} if run_id else {})}
+    return {RUN_NAME_ENV: label, PARENT_ENV: run_id, TRACK_ENV: "1"} if run_id else {}
