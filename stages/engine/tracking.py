@@ -47,7 +47,7 @@ PARENT_ENV = "FINETUNE_MLFLOW_PARENT"  # a sweep's parent run: its runs nest und
 RUN_NAME_ENV = "FINETUNE_RUN_LABEL"  # a sweep's run: its variant's label as the MLflow run name
 # the logger each history record is also written to while a stage computes (stages/common/runlog.py)
 RECORDS_LOGGER = "finetune.records"
-FLUSH_S = 2.0  # buffered metrics go out at least this often
+FLUSH_S = 5.0  # buffered metrics go out at least this often
 BATCH = 1000  # MLflow's limit of metrics per log_batch request
 PARAMS_PER_BATCH = 100  # ... and of params
 MAX_VALUE = 5000  # a param or tag value longer than this is cut (MLflow refuses over 6000 / 8000)
@@ -178,7 +178,9 @@ class Tracker:
         self.url: str | None = None
         self.failed = False
         self.started = threading.Event()  # set once the run exists on the server, or creating it failed
-        self.sent: set[tuple[str, int]] = set()  # (metric, step) already buffered: a history file adds the rest
+        # per metric, the steps sent while the stage computed (a contiguous range: from its first step, or the
+        # step it resumed after, to its last): a history file read afterwards adds only the steps outside it
+        self._live: dict[str, tuple[int, int]] = {}
         self._metrics: list[tuple[str, float, int, int]] = []
         self._lock = threading.Lock()
         self._calls: queue.Queue[Callable[[Any], None] | None] = queue.Queue()
@@ -195,22 +197,32 @@ class Tracker:
             self._calls.put(fn)
 
     def metrics(self, items: list[tuple[str, float, int]]) -> None:
-        """Buffered; sent with the next batch."""
+        """(name, value, step) points, buffered: sent with the next batch."""
         now = int(time.time() * 1000)
         with self._lock:
-            for name, value, step in items:
-                if (name, step) not in self.sent:
-                    self.sent.add((name, step))
-                    self._metrics.append((name, value, step, now))
+            if not self.failed:
+                self._metrics.extend((name, value, step, now) for name, value, step in items)
+
+    def live(self, items: list[tuple[str, float, int]]) -> None:
+        """Points of a record a computing stage just wrote (remembered: `was_live`)."""
+        with self._lock:
+            for name, _, step in items:
+                lo, hi = self._live.get(name, (step, step))
+                self._live[name] = (min(lo, step), max(hi, step))
+        self.metrics(items)
+
+    def was_live(self, name: str, step: int) -> bool:
+        lo, hi = self._live.get(name, (1, 0))
+        return lo <= step <= hi
 
     def params(self, values: dict[str, str]) -> None:
-        from_items = list(values.items())
+        items = list(values.items())
 
         def send(c: Any) -> None:
             from mlflow.entities import Param
 
-            for i in range(0, len(from_items), PARAMS_PER_BATCH):
-                c.log_batch(self.run_id, params=[Param(k, v) for k, v in from_items[i: i + PARAMS_PER_BATCH]])
+            for i in range(0, len(items), PARAMS_PER_BATCH):
+                c.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i: i + PARAMS_PER_BATCH]])
         self.call(send)
 
     def tags(self, values: dict[str, str]) -> None:
@@ -321,7 +333,7 @@ class LiveRecords(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         rec = getattr(record, "record", None)
         if isinstance(rec, dict):
-            self.tracker.metrics(step_metrics(rec))
+            self.tracker.live(step_metrics(rec))
 
 
 class RunTracking:
@@ -367,7 +379,8 @@ class RunTracking:
         if status == "joined":  # nothing of it on this machine
             return
         if st.history:  # what the live records did not send: a cached stage, a resumed run's earlier steps
-            self.tracker.metrics([m for rec in history(o.path / st.history) for m in step_metrics(rec)])
+            self.tracker.metrics([m for rec in history(o.path / st.history) for m in step_metrics(rec)
+                                  if not self.tracker.was_live(m[0], m[2])])
         if st.reports:
             self.tracker.metrics([(safe_name(f"{st.name}.{k}"), float(v), 0) for k, v in scalars(metrics).items()])
         for pattern in st.tracked:

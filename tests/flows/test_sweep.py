@@ -190,6 +190,7 @@ def test_parallel_children_share_stages_through_the_store_lock_then_compare_and_
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert {r.data.params["train.lr"] for r in children} == {"0.001", "0.01"}
     assert all(r.data.tags["finetune.sweep"] == "lr-pair" and r.info.status == "FINISHED" for r in children)
+    assert all(len(r.data.tags["finetune.prefect.flow_run_id"]) == 36 for r in children)  # the child flow run's id
     assert {a.path for a in c.list_artifacts(parent.info.run_id)} == {"comparison.md", "comparison.json",
                                                                       "runs.csv", "chart.png"}
     for r in children:
