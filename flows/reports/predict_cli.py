@@ -49,7 +49,7 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
                                 "its turn.")
     p.add_argument("target", help="a pipeline name (its export in the store) or an export folder")
     p.add_argument("--text", action="append", default=[], help="a text to predict on (repeatable)")
-    p.add_argument("--file", type=Path, help="a CSV or JSONL file (.gz too) with one text (or, with "
+    p.add_argument("--file", type=Path, help="a CSV, TSV, JSONL (.gz too) or Parquet file with one text (or, with "
                    "--messages-column, one conversation) per row")
     p.add_argument("--text-column", default="text", help="--file's column holding the text (default: text)")
     p.add_argument("--chat", action="append", default=[], metavar="TEXT",
@@ -75,12 +75,25 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
 # ---------------------------------------------------------------- inputs
 
 
-def read_rows(path: Path) -> tuple[list[Any], list[str], list[int]]:
-    """(rows, columns, each row's line in the file) of a CSV or JSONL file (optionally gzipped), in file
-    order."""
+def read_rows(path: Path) -> tuple[list[Any], list[str], list[str]]:
+    """(rows, columns, where each row is: "line N" of a text file, "row N" of a Parquet file) of a CSV, TSV,
+    JSONL (optionally gzipped) or Parquet file, in file order."""
     if not path.is_file():
         raise MissingInputError(f"--file {path}: no such file")
     name = path.name.removesuffix(".gz")
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # noqa: BLE001  (pyarrow's errors: a truncated or foreign file)
+            raise ConfigError(f"--file {path}: not a readable Parquet file ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:160]})") from None
+        rows, columns = table.to_pylist(), list(table.column_names)
+        where = [f"row {n}" for n in range(1, len(rows) + 1)]
+        if not rows:
+            raise ConfigError(f"--file {path}: no rows")
+        return rows, columns, where
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8", newline="") as f:
         lines: list[int] = []
@@ -103,10 +116,10 @@ def read_rows(path: Path) -> tuple[list[Any], list[str], list[int]]:
                 lines.append(reader.line_num)
             columns = list(reader.fieldnames or [])
         else:
-            raise ConfigError(f"--file {path}: not a .csv, .tsv or .jsonl file")
+            raise ConfigError(f"--file {path}: not a .csv, .tsv, .jsonl or .parquet file")
     if not rows:
         raise ConfigError(f"--file {path}: no rows")
-    return rows, columns, lines
+    return rows, columns, [f"line {n}" for n in lines]
 
 
 def missing_column(path: Path, column: str, columns: list[str], option: str) -> ConfigError:
@@ -117,7 +130,7 @@ def missing_column(path: Path, column: str, columns: list[str], option: str) -> 
 
 
 def read_texts(path: Path, column: str) -> list[str]:
-    """The texts of a CSV or JSONL file (optionally gzipped), in file order."""
+    """The texts of a file's column (read_rows), in file order."""
     rows, columns, _ = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--text-column")
@@ -135,13 +148,13 @@ def read_conversations(path: Path, column: str, system: str | None) -> list[list
     no system turn."""
     from stages.common.conversations import conversation
 
-    rows, columns, lines = read_rows(path)
+    rows, columns, where = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--messages-column")
     out = []
-    for row, line in zip(rows, lines, strict=True):
+    for row, at in zip(rows, where, strict=True):
         value = row.get(column) if isinstance(row, dict) else None
-        out.append(with_system(conversation(value, column, {}, {}, f"{path}: line {line}", reply=True), system))
+        out.append(with_system(conversation(value, column, {}, {}, f"{path}: {at}", reply=True), system))
     return out
 
 

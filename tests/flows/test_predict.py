@@ -53,6 +53,19 @@ def test_a_csv_file_gives_the_evaluated_labels_with_probabilities(runs, tmp_path
     assert f"{len(texts)} texts -> {out}" in capsys.readouterr().out
 
 
+def test_a_parquet_file_gives_the_same_labels_as_the_evaluate_stage(runs, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts, expected = evaluated(runs["imdb"])
+    src = tmp_path / "reviews.parquet"
+    pq.write_table(pa.table({"id": list(range(len(texts))), "review": texts}), src)
+    out = tmp_path / "p.jsonl"
+    assert main([str(runs["imdb"]["export"].path), "--file", str(src), "--text-column", "review", "--out", str(out)]) == 0
+    recs = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [r["text"] for r in recs] == texts and [r["label"] for r in recs] == expected
+
+
 def test_a_pipeline_name_uses_its_current_export_and_generates_the_evaluated_text(runs, monkeypatch, capsys):
     monkeypatch.setenv("FINETUNE_STORE", str(runs["billsum"]["export"].path.parents[1]))
     texts, expected = evaluated(runs["billsum"])
@@ -108,9 +121,11 @@ def test_predict_computes_in_the_precision_the_export_was_evaluated_in(runs, tmp
     ("id,body\n1,good\n", "a.csv", [], "no column 'text' (it has id, body); pass --text-column"),
     ("", "a.csv", [], "no rows"),
     ('{"text": "ok"}\n{"text": ""}\n', "a.jsonl", [], "column 'text' is empty or not text in row 2"),
+    ("PAR1 cut short", "a.parquet", [], "not a readable Parquet file"),
+    ("a b c\n", "a.txt", [], "not a .csv, .tsv, .jsonl or .parquet file"),
     (None, None, ["--text", "x"], "not an export folder"),
     (None, None, [], "nothing to predict"),
-], ids=["no-text-column", "empty-file", "empty-text", "not-an-export", "no-input"])
+], ids=["no-text-column", "empty-file", "empty-text", "bad-parquet", "unknown-type", "not-an-export", "no-input"])
 def test_bad_input_is_one_line_and_exit_2(runs, tmp_path, capsys, content, name, argv, message):
     target = str(runs["imdb"]["export"].path)
     if content is not None:
