@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from stages.common import onnx_export
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import drop_quantization_config
 from stages.common.hf import load_tokenizer, split_gguf
@@ -416,6 +417,10 @@ def run(ctx: StageContext) -> dict[str, Any]:
     else:  # pragma: no cover - AdaptersConfig allows only these
         raise ConfigError(f"adapters.method {method}: cannot export")
     (out / LOAD_INFO).unlink(missing_ok=True)
+    if "onnx" in x.formats:  # from the folder just written, checked in onnxruntime before anything is committed
+        facts["onnx"] = onnx_export.export_checked(out, ctx.upstream["tokenize"], cfg.evaluate.splits, x.onnx_int8,
+                                                   ctx.log)
+        extra[onnx_export.ONNX_DIR] = onnx_export.card_line(facts["onnx"])
 
     sections = config_sections(cfg)
     keys = lineage(ctx)

@@ -17,6 +17,7 @@ from stages.common.hf import (
     tokenizer_files,
 )
 from stages.common.metrics import metric_files, validation_metric_files
+from stages.common.onnx_export import check_formats
 from stages.common.packing import check_packing
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.common.tasks import task_of
@@ -108,6 +109,8 @@ GRAPH = Graph([
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         tracked=("README.md", "finetune_pipeline.yaml"),  # the model card and the pipeline that rebuilds it
         produces_model=True,
-        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+        check=check_formats,  # export.formats: each one possible for the task, its extra installed
+        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
+                   "onnxruntime"),
     ),
 ])

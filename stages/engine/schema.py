@@ -411,6 +411,24 @@ class ExportConfig(Section):
                         "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
+    formats: list[Literal["hf", "onnx"]] = Field(
+        ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
+        "`format` says what is at its top), its tokenizer and card. onnx (seq_cls; pip install '.[onnx]'): "
+        "onnx/model.onnx beside it, checked in onnxruntime against the exported model on the evaluated rows "
+        "before the export is committed (docs/export.md#onnx)")
+    onnx_int8: bool = Field(False, description="with onnx: also onnx/model_int8.onnx, its weights quantized to "
+                            "int8 (onnxruntime's dynamic quantization); its label agreement and accuracy beside "
+                            "fp32's are in the manifest and the card")
+
+    @field_validator("formats")
+    @classmethod
+    def _hf_always(cls, v: list[str]) -> list[str]:
+        if "hf" not in v:
+            raise ValueError("the export folder is always a Hugging Face folder (its tokenizer and card are "
+                             "there): list hf, e.g. [hf, onnx]")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v}: a format is listed twice")
+        return v
 
 
 class MlflowTracking(Section):
