@@ -124,6 +124,9 @@ SLOW = {
     "tests/stages/test_evaluate.py": (
         "test_rouge_equals_an_independent_rouge_score_computation_on_100_real_bills",
     ),
+    "tests/stages/test_export_onnx.py": (
+        "test_the_onnx_files_are_checked_in_onnxruntime_and_predict_as_torch",
+    ),
     "tests/stages/test_export_standalone.py": (
         "test_a_hub_base_exports_the_adapter_with_its_id_and_pinned_commit",
         "test_export_loads_alone_and_reproduces_the_evaluated_predictions",

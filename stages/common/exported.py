@@ -38,6 +38,7 @@ class Exported:
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
     precision: str = "auto"  # train.mixed_precision as resolved for the run (the evaluate stage's autocast)
+    runtime: str = "torch"  # torch, onnx (onnx/model.onnx in onnxruntime), onnx-int8 (onnx/model_int8.onnx)
 
 
 def is_export(folder: Path) -> bool:
@@ -45,9 +46,10 @@ def is_export(folder: Path) -> bool:
         (folder / f).is_file() for f in ("config.json", "adapter_config.json"))
 
 
-def load_export(folder: Path | str, chat: bool = False) -> Exported:
+def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") -> Exported:
     """The folder's tokenizer and model (eval mode), on the GPU when there is one. `chat`: to answer
-    conversations, refused (before the model loads) for an export that has no chat template."""
+    conversations, refused (before the model loads) for an export that has no chat template. `runtime` onnx /
+    onnx-int8: the folder's ONNX file in onnxruntime instead of the model (a classifier's)."""
     import transformers
 
     folder = Path(folder)
@@ -61,7 +63,14 @@ def load_export(folder: Path | str, chat: bool = False) -> Exported:
     if chat:
         refuse_chat(folder, task, tok)
     name = task.auto_class
-    if (folder / "adapter_config.json").is_file():
+    if runtime != "torch":
+        if not task.classifies:
+            raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; ONNX exports are of "
+                              f"classifiers (seq_cls): give --runtime torch")
+        from stages.common.onnx_export import runtime_model
+
+        model = runtime_model(folder, runtime)
+    elif (folder / "adapter_config.json").is_file():
         import peft
 
         model = getattr(peft, name.replace("AutoModel", "AutoPeftModel")).from_pretrained(str(folder))
@@ -73,7 +82,7 @@ def load_export(folder: Path | str, chat: bool = False) -> Exported:
         gen = transformers.GenerationConfig.from_pretrained(str(folder))
         generation = {"generation_config": gen}
     return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], settings["tokenize"]["max_length"],
-                    generation, settings.get("train", {}).get("mixed_precision", "auto"))
+                    generation, settings.get("train", {}).get("mixed_precision", "auto"), runtime)
 
 
 def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
@@ -134,9 +143,16 @@ def predict(ex: Exported, texts: list[str], batch_size: int = 16, overrides: dic
     if conversations is not None:
         refuse_chat(ex.folder, ex.task, ex.tok)
     ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
-    device = device_for(ex.model)
-    chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
-    log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
+    if ex.runtime != "torch":  # onnxruntime computes in the file's own precision; autocast does not reach it
+        import torch
+
+        device = torch.device("cpu")
+        chosen = Precision("no", f"onnxruntime runs {ex.model.path.name} in its own precision")
+        log.info("predict: runtime onnxruntime on the CPU, %s", chosen.reason)
+    else:
+        device = device_for(ex.model)
+        chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
+        log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
     with autocast(chosen, device):
         try:
             return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)

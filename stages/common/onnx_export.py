@@ -204,3 +204,49 @@ def card_line(facts: dict[str, Any]) -> str:
         line += (f"; {INT8} (weights int8, onnxruntime dynamic quantization): {q['labels_equal']} of {q['rows']} "
                  f"labels as fp32, accuracy {q['accuracy']:.4f} vs {q['accuracy_torch']:.4f}")
     return line
+
+
+def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Any:
+    """An export's ONNX file (`runtime` onnx: model.onnx; onnx-int8: model_int8.onnx) as the classifier model
+    `finetune predict --runtime` runs (OnnxClassifier); one line when the folder has no such file."""
+    import transformers
+
+    path = folder / ONNX_DIR / (INT8 if runtime == "onnx-int8" else FP32)
+    if not path.is_file():
+        how = "export.onnx_int8: true" if runtime == "onnx-int8" else "export.formats: [hf, onnx]"
+        raise ConfigError(f"--runtime {runtime}: {folder} has no {ONNX_DIR}/{path.name}; export the pipeline with "
+                          f"{how} (docs/export.md#onnx), or give --runtime torch")
+    missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"--runtime {runtime}: {' and '.join(missing)} not installed; pip install '.[onnx]'")
+    return OnnxClassifier(session(path, threads), transformers.AutoConfig.from_pretrained(str(folder)), path)
+
+
+class OnnxClassifier:
+    """An ONNX classifier with the surface batched inference uses of a transformers model (stages/common/
+    inference.py): called with input_ids and attention_mask, it returns an object with `.logits` (a torch
+    tensor); `config` is the export's (id2label); it computes on the CPU in the file's own precision."""
+
+    def __init__(self, sess: Any, config: Any, path: Path):
+        import torch
+
+        self.sess, self.config, self.path = sess, config, path
+        self._device = torch.empty(0)  # parameters(): where its inputs go (the CPU)
+
+    def parameters(self) -> Any:
+        return iter([self._device])
+
+    def eval(self) -> OnnxClassifier:
+        return self
+
+    def __call__(self, input_ids: Any, attention_mask: Any) -> Any:
+        import torch
+
+        out = self.sess.run(["logits"], {"input_ids": input_ids.cpu().numpy(),
+                                         "attention_mask": attention_mask.cpu().numpy()})[0]
+        return _Output(torch.from_numpy(out))
+
+
+class _Output:
+    def __init__(self, logits: Any):
+        self.logits = logits
