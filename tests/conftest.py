@@ -124,8 +124,10 @@ SLOW = {
     "tests/stages/test_evaluate.py": (
         "test_rouge_equals_an_independent_rouge_score_computation_on_100_real_bills",
     ),
-    "tests/stages/test_export_onnx.py": (
+    "tests/stages/test_export_onnx.py": (  # one export with onnx (~20 s), shared by these
         "test_the_onnx_files_are_checked_in_onnxruntime_and_predict_as_torch",
+        "test_a_tampered_onnx_file_fails_its_check_and_nothing_is_committed",
+        "test_onnx_for_a_generating_task_and_runtime_onnx_without_the_file_are_one_line",
     ),
     "tests/stages/test_export_standalone.py": (
         "test_a_hub_base_exports_the_adapter_with_its_id_and_pinned_commit",
