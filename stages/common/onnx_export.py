@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,7 +148,7 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
     got = logits(session(path), rows, pad_id)
     ours, theirs = got.argmax(-1), reference.argmax(-1)
     gold = np.asarray(labels)
-    result = {"file": f"{ONNX_DIR}/{path.name}", "rows": len(rows), "labels_equal": int((ours == theirs).sum()),
+    result: dict[str, Any] = {"file": f"{ONNX_DIR}/{path.name}", "rows": len(rows), "labels_equal": int((ours == theirs).sum()),
               "max_abs_logit_diff": float(np.abs(got - reference).max()) if len(rows) else 0.0,
               "accuracy": float((ours == gold).mean()) if len(rows) else None,
               "accuracy_torch": float((theirs == gold).mean()) if len(rows) else None}
@@ -160,7 +161,7 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
     return result
 
 
-def export_checked(out: Path, tokenized: Path, splits: list[str], int8: bool, log: Any) -> dict[str, Any]:
+def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool, log: Any) -> dict[str, Any]:
     """Write onnx/ for the classifier at the top of `out` and check each file; the facts for the manifest."""
     import datasets
     import numpy as np
@@ -181,7 +182,7 @@ def export_checked(out: Path, tokenized: Path, splits: list[str], int8: bool, lo
     reference = class_logits(model, rows, tok.pad_token_id, 32, model.device, "export onnx check",
                              log).numpy().astype(np.float32)
     fp32 = write(model, out)
-    facts = {"opset": OPSET, "fp32": compare(fp32, reference, rows, labels, tok.pad_token_id, exact=True)}
+    facts: dict[str, Any] = {"opset": OPSET, "fp32": compare(fp32, reference, rows, labels, tok.pad_token_id, exact=True)}
     log.info("export: %s checked in onnxruntime on %d evaluated rows: every label equal, largest |logit difference| "
              "%.2g", facts["fp32"]["file"], len(rows), facts["fp32"]["max_abs_logit_diff"])
     if int8:
