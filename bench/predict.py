@@ -60,7 +60,7 @@ def main() -> int:
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--batch-size", type=int, default=32, help="finetune predict's (its default)")
+    p.add_argument("--batch-size", type=int, default=None, help="finetune predict's (default: its own)")
     args = p.parse_args()
 
     import torch

@@ -60,7 +60,8 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
                    "conversations, each a list of {role, content} turns (system / user / assistant) ending in "
                    "the user turn to answer (JSONL; in a CSV, the list as JSON text)")
     p.add_argument("--out", type=Path, help="write one JSON line per text here instead of printing")
-    p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
+    p.add_argument("--batch-size", type=int, help="texts per forward pass (default: 8 on a CPU, 32 on a GPU; "
+                   "docs/export.md#batch-size)")
     p.add_argument("--max-new-tokens", type=int, help="generation: tokens to generate (default: the export's)")
     p.add_argument("--num-beams", type=int, help="generation: beams (default: the export's)")
     p.add_argument("--precision", choices=("export", "auto", "no", "bf16", "fp16"), default="export",
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
     args = build_parser(prog).parse_args(argv)
 
     def go() -> int:
-        if args.batch_size < 1:
+        if args.batch_size is not None and args.batch_size < 1:
             raise ConfigError("--batch-size: must be at least 1")
         given = [o for o, v in (("--text", args.text), ("--chat", args.chat), ("--file", args.file)) if v]
         if len(given) > 1:
