@@ -145,6 +145,10 @@ def run_sweep(name: str, parallel: int = 1, config: str | None = None, spec: dic
     tracker = start_sweep(sw.runs[0].cfg, sw.name, sw.config.model_dump(mode="json"))
     try:
         results, failed = _run_all(sw, parallel, config, api_url, on_workers, tracker)
+    except BaseException:  # interrupted: the parent run ends KILLED, as its children's do
+        if tracker is not None:
+            tracker.end("KILLED", wait_s=5)
+        raise
     finally:
         os.environ.pop(SWEEP_ENV, None)
     files = publish(sw)
