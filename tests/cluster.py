@@ -32,9 +32,22 @@ def start(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> subproce
                             start_new_session=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def answering(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Wait until `url` answers; fail with the end of the server's log if it exits or takes over timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """End the process group (sig, then SIGKILL after 20 s)."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     try:
         proc.wait(20)
     except subprocess.TimeoutExpired:
@@ -66,14 +79,7 @@ def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
                  {**env, "PREFECT_API_URL": api, "PREFECT_SERVER_API_HOST": "127.0.0.1",
                   "PREFECT_SERVER_API_PORT": str(port)}, tmp, tmp / "server.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"{api}/health", timeout=2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()
-                time.sleep(0.5)
+        answering(f"{api}/health", proc, tmp / "server.log", 300)
         yield api
     finally:
         stop(proc)

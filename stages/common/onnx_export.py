@@ -16,9 +16,10 @@ import importlib.util
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from stages.engine.errors import ConfigError, FinetuneError, NonFiniteOutputError
+from stages.engine.errors import ConfigError, FinetuneError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -50,10 +51,14 @@ def check_formats(cfg: PipelineConfig) -> None:
     if not task.classifies:
         raise ConfigError(f"export.formats onnx: model.task {task.name} is not exported to ONNX (encoder "
                           f"classifiers, seq_cls, are); remove onnx from export.formats")
-    missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"export.formats onnx: {' and '.join(missing)} not installed; pip install '.[onnx]' "
+    if missing := missing_extra():
+        raise ConfigError(f"export.formats onnx: {missing} not installed; pip install '.[onnx]' "
                           f"(or remove onnx from export.formats)")
+
+
+def missing_extra() -> str:
+    """The packages of the onnx extra that are not installed ('' when all are)."""
+    return " and ".join(m for m in EXTRA if importlib.util.find_spec(m) is None)
 
 
 def session(path: Path, threads: int | None = None) -> Any:
@@ -66,29 +71,6 @@ def session(path: Path, threads: int | None = None) -> Any:
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3  # errors only: its graph-optimisation notes are not the user's business
     return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-
-
-def logits(sess: Any, rows: list[list[int]], pad_id: int, batch_size: int = 32) -> np.ndarray:
-    """A classifier's logits (rows x classes, float32) from an ONNX session, in the order of `rows`, batched
-    longest first as torch inference is (stages/common/inference.py)."""
-    import numpy as np
-
-    from stages.common.batching import split_micro
-    from stages.common.inference import padded
-
-    out: np.ndarray | None = None
-    for idx in split_micro(list(range(len(rows))), [len(r) for r in rows], batch_size):
-        ids, mask = padded([rows[j] for j in idx], pad_id)
-        got = sess.run(["logits"], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
-        if out is None:
-            out = np.empty((len(rows), got.shape[-1]), dtype=np.float32)
-        out[np.asarray(idx)] = got
-    if out is None:
-        return np.empty((0, 0), dtype=np.float32)
-    if not np.isfinite(out).all():
-        raise NonFiniteOutputError(f"the ONNX model's outputs are NaN or infinite for "
-                                   f"{int((~np.isfinite(out).all(-1)).sum())} of {len(rows)} rows")
-    return out
 
 
 def write(model: Any, out: Path) -> Path:
@@ -144,8 +126,12 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
     """One file checked in onnxruntime against torch's logits on the same rows. `exact` (fp32): every label
     equal and |logit difference| within FP32_TOLERANCE, else ExportCheckError."""
     import numpy as np
+    import torch
 
-    got = logits(session(path), rows, pad_id)
+    from stages.common.inference import class_logits
+
+    model = OnnxClassifier(session(path), None, path)
+    got = class_logits(model, rows, pad_id, 32, torch.device("cpu"), f"export {path.name} check").numpy()
     ours, theirs = got.argmax(-1), reference.argmax(-1)
     gold = np.asarray(labels)
     result: dict[str, Any] = {"file": f"{ONNX_DIR}/{path.name}", "rows": len(rows), "labels_equal": int((ours == theirs).sum()),
@@ -217,9 +203,8 @@ def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Any
         how = "export.onnx_int8: true" if runtime == "onnx-int8" else "export.formats: [hf, onnx]"
         raise ConfigError(f"--runtime {runtime}: {folder} has no {ONNX_DIR}/{path.name}; export the pipeline with "
                           f"{how} (docs/export.md#onnx), or give --runtime torch")
-    missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"--runtime {runtime}: {' and '.join(missing)} not installed; pip install '.[onnx]'")
+    if missing := missing_extra():
+        raise ConfigError(f"--runtime {runtime}: {missing} not installed; pip install '.[onnx]'")
     return OnnxClassifier(session(path, threads), transformers.AutoConfig.from_pretrained(str(folder)), path)
 
 
@@ -245,9 +230,4 @@ class OnnxClassifier:
 
         out = self.sess.run(["logits"], {"input_ids": input_ids.cpu().numpy(),
                                          "attention_mask": attention_mask.cpu().numpy()})[0]
-        return _Output(torch.from_numpy(out))
-
-
-class _Output:
-    def __init__(self, logits: Any):
-        self.logits = logits
+        return SimpleNamespace(logits=torch.from_numpy(out))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.common.progress import Progress
+from stages.engine.runs import read_metrics
 from stages.engine.tracking import RECORDS_LOGGER
 
 # Each record written also goes to this logger, for a listener the run attaches (experiment tracking,
@@ -18,22 +19,6 @@ from stages.engine.tracking import RECORDS_LOGGER
 # (nor of its key). Not propagated: a record is data, not a line for people.
 RECORDS = logging.getLogger(RECORDS_LOGGER)
 RECORDS.propagate = False
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl that carry a step, in order; an unreadable line is skipped (a run
-    killed mid-write leaves half a line)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            out.append(rec)
-    return out
 
 
 class RunLog:

@@ -46,7 +46,7 @@ class RunRecord:
     def stage(self, o: Outcome) -> None:
         manifest = o.manifest or {}  # none on this machine for a stage that joined another machine's run
         metrics = manifest.get("metrics")
-        status = "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
+        status = outcome_status(o)
         self.data["stages"].append({"stage": o.stage, "status": status, "key": o.key,
                                     "duration_s": manifest.get("duration_s")})
         if o.stage in self.metric_stages and isinstance(metrics, dict):
@@ -63,6 +63,27 @@ class RunRecord:
     def end(self, status: str = "completed", error: str | None = None) -> None:
         self.data.update(status=status, ended=now_iso(), error=error)
         self.save()
+
+
+def outcome_status(o: Outcome) -> str:
+    """computed, cached, or joined (trained with another machine, which commits the artifact)."""
+    return "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl that carry a step, in order; an unreadable line is skipped (a run
+    killed mid-write leaves half a line)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "step" in rec:
+            out.append(rec)
+    return out
 
 
 def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError
-from stages.engine.runs import SWEEP_ENV, scalars
+from stages.engine.runs import SWEEP_ENV, outcome_status, read_metrics, scalars
 
 if TYPE_CHECKING:
     from stages.engine.schema import PipelineConfig
@@ -131,23 +131,6 @@ def step_metrics(record: dict[str, Any]) -> list[tuple[str, float, int]]:
     kind = record.get("kind", "train")
     return [(safe_name(f"{kind}/{k}"), float(v), step) for k, v in record.items()
             if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)]
-
-
-def history(path: Path) -> list[dict[str, Any]]:
-    """The records of a history file (JSON lines); a line cut short by a killed run is skipped."""
-    out = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ the client thread
@@ -364,7 +347,7 @@ class RunTracking:
 
     def stage(self, st: Stage, o: Outcome) -> None:
         """A finished stage: its key and status, its history and reported metrics, its tracked files."""
-        status = "joined" if o.reason == "joined" else "computed" if o.computed else "cached"
+        status = outcome_status(o)
         if o.computed:
             self.computed.append(st.name)
         manifest = o.manifest or {}
@@ -379,7 +362,7 @@ class RunTracking:
         if status == "joined":  # nothing of it on this machine
             return
         if st.history:  # what the live records did not send: a cached stage, a resumed run's earlier steps
-            self.tracker.metrics([m for rec in history(o.path / st.history) for m in step_metrics(rec)
+            self.tracker.metrics([m for rec in read_metrics(o.path / st.history) for m in step_metrics(rec)
                                   if not self.tracker.was_live(m[0], m[2])])
         if st.reports:
             self.tracker.metrics([(safe_name(f"{st.name}.{k}"), float(v), 0) for k, v in scalars(metrics).items()])

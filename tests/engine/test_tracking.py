@@ -16,8 +16,9 @@ import time
 import uuid
 
 import pytest
+from cluster import stop
 from helpers import IMDB, computed, needs_shared_data, spawn
-from mlflowserver import kill, mlflow_server
+from mlflowserver import mlflow_server
 
 from stages.__main__ import main as stages_main
 from stages.engine.config import load_pipeline
@@ -160,7 +161,7 @@ def test_a_server_killed_mid_run_costs_one_warning_and_the_run_finishes(tmp_path
                 break
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.2)
-        kill(server, signal.SIGKILL)
+        stop(server, signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     warnings = [line for line in out.splitlines() if " WARNING " in line]
