@@ -130,7 +130,7 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
 
     from stages.common.inference import class_logits
 
-    model = OnnxClassifier(session(path), None, path)
+    model: Any = OnnxClassifier(session(path), None, path)  # a torch module in what class_logits uses of one
     got = class_logits(model, rows, pad_id, 32, torch.device("cpu"), f"export {path.name} check").numpy()
     ours, theirs = got.argmax(-1), reference.argmax(-1)
     gold = np.asarray(labels)
