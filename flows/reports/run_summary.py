@@ -65,11 +65,12 @@ def outcome_row(o: Outcome) -> dict[str, Any]:
 
 def export_contents(facts: dict[str, Any]) -> str:
     """What the export folder holds, from its manifest's facts: what sits at the top, and beside it."""
+    beside = "".join(f" + {d}/" for d in ("onnx", "gguf") if d in facts)
     if facts.get("method") == "full":
-        return "finetuned model + model card"
-    if facts.get("format") == "merged":
-        return "merged model + adapter/ + model card"
-    return "exported adapter" + (" + merged/" if facts.get("merged") else "") + " + model card"
+        return "finetuned model" + beside + " + model card"
+    if facts.get("layout", facts.get("format")) == "merged":  # "format" in exports made before the rename
+        return "merged model + adapter/" + beside + " + model card"
+    return "exported adapter" + (" + merged/" if facts.get("merged") else "") + beside + " + model card"
 
 
 def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None = None, ran: bool = False) -> str:

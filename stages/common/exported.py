@@ -38,7 +38,9 @@ class Exported:
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
     precision: str = "auto"  # train.mixed_precision as resolved for the run (the evaluate stage's autocast)
-    runtime: str = "torch"  # torch, onnx (onnx/model.onnx in onnxruntime), onnx-int8 (onnx/model_int8.onnx)
+    # torch; onnx (onnx/model.onnx in onnxruntime), onnx-int8 (onnx/model_int8.onnx); gguf (gguf/model-f16.gguf in
+    # llama.cpp), gguf-q8_0 (gguf/model-q8_0.gguf)
+    runtime: str = "torch"
 
 
 def is_export(folder: Path) -> bool:
@@ -49,7 +51,8 @@ def is_export(folder: Path) -> bool:
 def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") -> Exported:
     """The folder's tokenizer and model (eval mode), on the GPU when there is one. `chat`: to answer
     conversations, refused (before the model loads) for an export that has no chat template. `runtime` onnx /
-    onnx-int8: the folder's ONNX file in onnxruntime instead of the model (a classifier's)."""
+    onnx-int8: the folder's ONNX file in onnxruntime instead of the model (a classifier's); gguf / gguf-q8_0: the
+    folder's GGUF file in llama.cpp (a causal LM's)."""
     import transformers
 
     folder = Path(folder)
@@ -63,7 +66,19 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
     if chat:
         refuse_chat(folder, task, tok)
     name = task.auto_class
-    if runtime != "torch":
+    generation: dict[str, Any] = {}
+    if task.generates:
+        gen = transformers.GenerationConfig.from_pretrained(str(folder))
+        generation = {"generation_config": gen}
+    max_length = settings["tokenize"]["max_length"]
+    if runtime.startswith("gguf"):
+        if not task.decoder_only:
+            raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; GGUF exports are of causal "
+                              f"LMs (causal_lm): give --runtime torch")
+        from stages.common.gguf_export import runtime_model as gguf_model
+
+        model = gguf_model(folder, runtime)
+    elif runtime != "torch":
         if not task.classifies:
             raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; ONNX exports are of "
                               f"classifiers (seq_cls): give --runtime torch")
@@ -77,11 +92,7 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
     else:
         model = getattr(transformers, name).from_pretrained(str(folder))
     model.eval()
-    generation: dict[str, Any] = {}
-    if task.generates:
-        gen = transformers.GenerationConfig.from_pretrained(str(folder))
-        generation = {"generation_config": gen}
-    return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], settings["tokenize"]["max_length"],
+    return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], max_length,
                     generation, settings.get("train", {}).get("mixed_precision", "auto"), runtime)
 
 
@@ -148,12 +159,13 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
     if conversations is not None:
         refuse_chat(ex.folder, ex.task, ex.tok)
     ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
-    if ex.runtime != "torch":  # onnxruntime computes in the file's own precision; autocast does not reach it
+    if ex.runtime != "torch":  # onnxruntime / llama.cpp compute in the file's own precision; autocast does not reach
         import torch
 
         device = torch.device("cpu")
-        chosen = Precision("no", f"onnxruntime runs {ex.model.path.name} in its own precision")
-        log.info("predict: runtime onnxruntime on the CPU, %s", chosen.reason)
+        engine = "llama.cpp" if ex.runtime.startswith("gguf") else "onnxruntime"
+        chosen = Precision("no", f"{engine} runs {ex.model.path.name} in its own precision")
+        log.info("predict: runtime %s on the CPU, %s", engine, chosen.reason)
     else:
         device = device_for(ex.model)
         chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)

@@ -131,13 +131,12 @@ def class_logits(model: torch.nn.Module, rows: list[list[int]], pad_id: int, bat
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
-             device: torch.device, decoder_only: bool, desc: str, logger: logging.Logger | None = None
-             ) -> tuple[list[str], list[int]]:
-    """Batched generation: (decoded texts, generated token counts), in the order of `prompts`.
-    Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
-    texts: list[str] = [""] * len(prompts)
-    counts: list[int] = [0] * len(prompts)
+def generated_ids(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+                  device: torch.device, decoder_only: bool, desc: str, logger: logging.Logger | None = None
+                  ) -> list[list[int]]:
+    """Batched generation: each prompt's new token ids up to and including its stop token, in the order of
+    `prompts`. Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
+    out_ids: list[list[int]] = [[] for _ in prompts]
     pad = tok.pad_token_id
     eos = gen.get("eos_token_id")
     stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
@@ -149,7 +148,13 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: di
         for r, j in enumerate(idx):
             seq = new[r].tolist()
             end = next((k for k, t in enumerate(seq) if t in stops), None)
-            seq = seq if end is None else seq[:end + 1]  # a finished row is padded after its end token
-            counts[j] = len(seq)
-            texts[j] = tok.decode(seq, skip_special_tokens=True).strip()
-    return texts, counts
+            out_ids[j] = seq if end is None else seq[:end + 1]  # a finished row is padded after its end token
+    return out_ids
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
+             device: torch.device, decoder_only: bool, desc: str, logger: logging.Logger | None = None
+             ) -> tuple[list[str], list[int]]:
+    """Batched generation: (decoded texts, generated token counts), in the order of `prompts`."""
+    seqs = generated_ids(model, prompts, tok, gen, batch_size, device, decoder_only, desc, logger)
+    return [tok.decode(s, skip_special_tokens=True).strip() for s in seqs], [len(s) for s in seqs]

@@ -400,7 +400,7 @@ class EvaluateConfig(Section):
 
 
 class ExportConfig(Section):
-    format: Literal["auto", "adapter", "merged"] = Field(
+    layout: Literal["auto", "adapter", "merged"] = Field(
         "auto", description="LoRA: what sits at the top of the export folder. adapter: the PEFT adapter "
         "(AutoPeftModelFor... loads it with its base, named by hub id and pinned commit); merged: the base with "
         "the LoRA merged in (AutoModelFor...), the adapter in adapter/. auto: adapter when the folder alone can "
@@ -411,14 +411,32 @@ class ExportConfig(Section):
                         "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
-    formats: list[Literal["hf", "onnx"]] = Field(
+    formats: list[Literal["hf", "onnx", "gguf"]] = Field(
         ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
-        "`format` says what is at its top), its tokenizer and card. onnx (seq_cls; pip install '.[onnx]'): "
+        "`layout` says what is at its top), its tokenizer and card. onnx (seq_cls; pip install '.[onnx]'): "
         "onnx/model.onnx beside it, checked in onnxruntime against the exported model on the evaluated rows "
-        "before the export is committed (docs/export.md#onnx)")
+        "before the export is committed (docs/export.md#onnx). gguf (Llama-family causal LMs; pip install "
+        "'.[gguf]'): gguf/model-<type>.gguf for each of gguf_types, the merged weights converted by llama.cpp's "
+        "converter and checked in llama.cpp against the exported model's greedy generations on the evaluated "
+        "prompts before the export is committed (docs/export.md#gguf); with it, layout auto puts the merged "
+        "model at the top")
     onnx_int8: bool = Field(False, description="with onnx: also onnx/model_int8.onnx, its weights quantized to "
                             "int8 (onnxruntime's dynamic quantization); its label agreement and accuracy beside "
                             "fp32's are in the manifest and the card")
+    gguf_types: list[Literal["f16", "q8_0"]] = Field(
+        ["f16", "q8_0"], min_length=1, description="with gguf: the GGUF files written, one per type (the types "
+        "llama.cpp's converter writes itself). f16 must give torch's greedy tokens on every checked prompt; "
+        "q8_0's agreement is reported in the manifest and the card")
+    gguf_check_tokens: int = Field(16, ge=1, description="with gguf: new tokens generated per evaluated prompt "
+                                   "in the check (greedy, torch vs llama.cpp; stopping at the export's stop tokens)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "format" in data:
+            raise ValueError("export.format was renamed export.layout (what sits at the top of the folder; "
+                             "export.formats lists the files beside it): write export.layout")
+        return data
 
     @field_validator("formats")
     @classmethod

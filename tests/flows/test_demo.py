@@ -73,7 +73,7 @@ def test_the_summary_says_what_ran_and_what_the_export_holds():
         return {"stage": stage, "key": "k" * 64, "path": f"/store/{stage}", "present": status != "missing",
                 "manifest": {"metrics": metrics or {}}, "status": status, "event_time": None, "duration_s": 2.0}
 
-    export = {"method": "lora", "format": "merged", "merged": True}
+    export = {"method": "lora", "layout": "merged", "merged": True}
     rows = [row("data", "computed"), row("train", "cached"), row("export", "computed", export)]
     ran = summary.render(cfg, rows, ran=True)
     assert "computed this run: 2 of 3 stages, 4 s of stage time" in ran
@@ -81,9 +81,9 @@ def test_the_summary_says_what_ran_and_what_the_export_holds():
     read = summary.render(cfg, [*rows[:2], row("export", "missing")])
     assert "computed this run" not in read and "last run" in read
     assert "read from the store (nothing run): 2 of 3 stages present, 1 computed when last run" in read
-    assert summary.export_contents({"method": "lora", "format": "adapter", "merged": True}) == \
+    assert summary.export_contents({"method": "lora", "layout": "adapter", "merged": True}) == \
         "exported adapter + merged/ + model card"
-    assert summary.export_contents({"method": "full", "format": "merged"}) == "finetuned model + model card"
+    assert summary.export_contents({"method": "full", "layout": "merged"}) == "finetuned model + model card"
 
 
 def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):

@@ -155,16 +155,16 @@ def command_reproduces(out: dict, name: str) -> list[str]:
 
 def test_what_sits_at_the_top_of_the_folder_and_an_adapter_that_cannot_load_alone():
     from stages.engine.errors import ConfigError
-    from stages.export import top_format
+    from stages.export import top_layout
 
     hub_t5 = ["model.name=acme/tiny-t5", "model.from_config=null"]
-    assert top_format(load_pipeline("tiny-billsum")) == "merged"  # a random-init base: nothing to fetch
-    assert top_format(load_pipeline("tiny-billsum", hub_t5)) == "adapter"  # hub id + pinned commit
-    assert top_format(load_pipeline("tiny-billsum", [*hub_t5, "quantization.mode=4bit"])) == "merged"
-    assert top_format(load_pipeline("tiny-billsum", [*hub_t5, "export.format=merged"])) == "merged"
-    assert top_format(load_pipeline("tiny-imdb")) == "model"  # full finetune
-    with pytest.raises(ConfigError, match=r"^export.format adapter: .*its base is not on a hub.*auto or merged$"):
-        top_format(load_pipeline("tiny-billsum", ["export.format=adapter"]))
-    lora_cls = ["model.name=acme/bloom", "model.from_config=null", *IMDB_LORA, "export.format=adapter"]
+    assert top_layout(load_pipeline("tiny-billsum")) == "merged"  # a random-init base: nothing to fetch
+    assert top_layout(load_pipeline("tiny-billsum", hub_t5)) == "adapter"  # hub id + pinned commit
+    assert top_layout(load_pipeline("tiny-billsum", [*hub_t5, "quantization.mode=4bit"])) == "merged"
+    assert top_layout(load_pipeline("tiny-billsum", [*hub_t5, "export.layout=merged"])) == "merged"
+    assert top_layout(load_pipeline("tiny-imdb")) == "model"  # full finetune
+    with pytest.raises(ConfigError, match=r"^export.layout adapter: .*its base is not on a hub.*auto or merged$"):
+        top_layout(load_pipeline("tiny-billsum", ["export.layout=adapter"]))
+    lora_cls = ["model.name=acme/bloom", "model.from_config=null", *IMDB_LORA, "export.layout=adapter"]
     with pytest.raises(ConfigError, match="a classifier's head is new"):
-        top_format(load_pipeline("tiny-imdb", lora_cls))
+        top_layout(load_pipeline("tiny-imdb", lora_cls))

@@ -1,0 +1,121 @@
+"""export.formats: [hf, gguf] (stages/common/gguf_export.py): a causal LM's merged weights converted by llama.cpp's
+own converter to gguf/model-f16.gguf and model-q8_0.gguf, each checked in llama.cpp (llama-cpp-python) against the
+exported model's greedy generations before the export is committed; a tampered file fails the check (exit 2) and
+nothing is committed; `finetune predict --runtime gguf` gives torch's texts; what cannot work is one line at plan
+time (a classifier, the adapter alone, the extra missing, the renamed export.format)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from test_chat_export import SMOLLM2, TINY_LLAMA, run, write_pipeline
+
+from flows.predict import main as predict_main
+from stages.__main__ import main as stages_main
+from stages.common import gguf_export
+from stages.engine.config import load_pipeline
+from stages.engine.errors import FinetuneError
+from stages.engine.runner import execute
+from stages.engine.store import Store
+from stages.graph import GRAPH
+
+GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    """A prompt/completion causal LM (a tiny random llama, SmolLM2's tokenizer, LoRA) exported with gguf."""
+    tmp = tmp_path_factory.mktemp("gguf-export")
+    rows = [{"text": f"Question {i}: " + "why " * (i % 7) + "?", "target": f"Answer {i % 5}."} for i in range(24)]
+    f = write_pipeline(tmp, "ggufcausal", rows, data={"target_column": "target"}, tokenize={"tokenizer": SMOLLM2},
+                       model={"name": "tiny-llama", "from_config": TINY_LLAMA}, evaluate={"max_new_tokens": 6},
+                       export=GGUF)
+    return run(f, "ggufcausal", tmp / "store"), f, tmp / "store"
+
+
+def test_the_gguf_files_are_checked_in_llama_cpp_and_predict_as_torch(causal, tmp_path, caplog):
+    out, _, _ = causal
+    folder = out["export"].path
+    m = out["export"].manifest["metrics"]
+    assert m["layout"] == "merged"  # auto: llama.cpp's converter reads merged weights
+    f16, q8 = m["gguf"]["types"]["f16"], m["gguf"]["types"]["q8_0"]
+    n = min(10, gguf_export.CHECK_PROMPTS)  # of the 10 test rows
+    assert f16["prompts"] == n and f16["identical"] == n and f16["tokenizer_equal"] == n
+    assert f16["reference_tokens"] > 10 and f16["max_new_tokens"] == 8
+    assert q8["prompts"] == n and 0 <= q8["identical"] <= n
+    assert (folder / "gguf" / "model-f16.gguf").stat().st_size > (folder / "gguf" / "model-q8_0.gguf").stat().st_size
+    card = (folder / "README.md").read_text()
+    assert "- `gguf/`: llama.cpp's converter's files" in card and "`model-f16.gguf` (f16" in card
+
+    # the f16 file as a user runs it: llama.cpp alone, the prompt's text tokenized by the GGUF's own tokenizer
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=str(folder / "gguf" / "model-f16.gguf"), n_ctx=256, verbose=False)
+    try:
+        assert llm.tokenize(b"Question 3: why why why ?", add_bos=False) == \
+            __import__("transformers").AutoTokenizer.from_pretrained(str(folder))(
+                "Question 3: why why why ?", add_special_tokens=False)["input_ids"]
+    finally:
+        llm.close()
+
+    # finetune predict --runtime gguf / gguf-q8_0: the same records as torch's (f16: the same texts)
+    src = tmp_path / "asked.jsonl"
+    src.write_text("".join(json.dumps({"text": f"Question {i}: " + "why " * i + "?"}) + "\n" for i in range(6)))
+    got = {}
+    caplog.set_level("INFO", logger="finetune.predict")
+    for runtime in ("torch", "gguf", "gguf-q8_0"):
+        dst = tmp_path / f"{runtime}.jsonl"
+        assert predict_main([str(folder), "--file", str(src), "--runtime", runtime, "--out", str(dst),
+                             "--batch-size", "4"]) == 0
+        got[runtime] = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert got["gguf"] == got["torch"] and len(got["gguf-q8_0"]) == 6
+    assert "predict: runtime llama.cpp on the CPU, llama.cpp runs model-f16.gguf in its own precision" in caplog.text
+
+
+def test_a_tampered_gguf_file_fails_its_check_and_nothing_is_committed(causal, monkeypatch):
+    _, f, store_dir = causal
+    real = gguf_export.convert
+
+    def tampered(src, dst, kind):
+        path = real(src, dst, kind)
+        if kind == "f16":  # noise over the tensor data at the end of the file (the output weights)
+            data = bytearray(path.read_bytes())
+            tail = np.frombuffer(bytes(data[-65536:]), dtype=np.float16).copy()
+            tail += np.random.default_rng(0).normal(0, 1.0, tail.shape).astype(np.float16)
+            data[-65536:] = tail.tobytes()
+            path.write_bytes(bytes(data))
+        return path
+
+    monkeypatch.setattr(gguf_export, "convert", tampered)
+    store = Store(store_dir)
+    plan = GRAPH.plan(load_pipeline("ggufcausal", [], path=f), store, force=["export"])
+    committed = store.artifact_dir("export", plan["export"].key.key) / "manifest.json"
+    before = committed.read_text()
+    with pytest.raises(FinetuneError, match="model-f16.gguf does not behave like the exported model in llama.cpp"):
+        execute(plan, store)
+    assert committed.read_text() == before  # not replaced: the failed export committed nothing
+
+
+@pytest.mark.parametrize("sets,message", [
+    (("export.formats=[hf, gguf]", "model.task=causal_lm"), "llama-cpp-python not installed; pip install '.[gguf]'"),
+    (("export.formats=[hf, gguf]",), "model.task seq_cls is not exported to GGUF"),
+    (("export.format=merged",), "export.format was renamed export.layout"),
+], ids=["missing-extra", "classifier", "renamed"])
+def test_gguf_that_cannot_work_is_one_line_at_plan_time(tmp_path, monkeypatch, capsys, sets, message):
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+    assert stages_main(["tiny-imdb", *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_adapter_alone_cannot_be_converted(tmp_path, capsys):
+    from stages.engine.errors import ConfigError
+
+    cfg = load_pipeline("tiny-billsum", ["model.task=causal_lm", "export.formats=[hf, gguf]",
+                                         "export.layout=adapter"])
+    with pytest.raises(ConfigError, match="converts merged weights.*set export.merge=true"):
+        gguf_export.check_formats(cfg)
