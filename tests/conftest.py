@@ -102,6 +102,10 @@ SLOW = {
         "test_a_run_killed_with_its_machine_resumes_on_the_other_from_the_shared_checkpoint",
         "test_a_sweep_on_a_work_pool_spreads_over_two_workers_sharing_one_s3_store",
     ),
+    "tests/stages/test_export_gguf.py": (
+        "test_the_gguf_files_are_checked_in_llama_cpp_and_predict_as_torch",
+        "test_a_tampered_gguf_file_fails_its_check_and_nothing_is_committed",
+    ),
     "tests/stages/test_chat_export.py": (
         "test_a_chat_export_carries_its_template_left_padding_and_the_end_of_turn_stop",
         "test_a_prompt_completion_export_generates_the_evaluated_texts_from_a_left_padded_batch",

@@ -156,12 +156,12 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
     order: {"label", "probability", "probabilities"} or {"generated"}. The forward passes autocast in
     `precision`: export (the precision evaluate used, so its predictions reproduce), or auto (bf16 on GPUs and
     CPUs with bf16 units, else fp32), no, bf16, fp16."""
+    import torch
+
     if conversations is not None:
         refuse_chat(ex.folder, ex.task, ex.tok)
     ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
     if ex.runtime != "torch":  # onnxruntime / llama.cpp compute in the file's own precision; autocast does not reach
-        import torch
-
         device = torch.device("cpu")
         engine = "llama.cpp" if ex.runtime.startswith("gguf") else "onnxruntime"
         chosen = Precision("no", f"{engine} runs {ex.model.path.name} in its own precision")
@@ -171,7 +171,8 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
         chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)
         log.info("predict: device %s, precision %s (%s)", device, chosen.name, chosen.reason)
     batch_size = batch_size or (GPU_BATCH if device.type == "cuda" else CPU_BATCH)
-    with autocast(chosen, device):
+    # inference_mode, not only no_grad: no version counters or views tracked (nothing here trains afterwards)
+    with torch.inference_mode(), autocast(chosen, device):
         try:
             return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)
         except NonFiniteOutputError as e:

