@@ -94,7 +94,7 @@ def test_exported_adapter_and_merged_model_give_the_evaluated_logits(store, pipe
     cfg = json.loads((ex / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and (ex / "adapter" / "adapter_model.safetensors").is_file()
     facts = out["export"].manifest["metrics"]
-    assert facts["merged"] and facts["format"] == "merged" and facts["dequantized_from"] == ("4bit" if "quantization.mode=4bit" in sets else None)
+    assert facts["merged"] and facts["layout"] == "merged" and facts["dequantized_from"] == ("4bit" if "quantization.mode=4bit" in sets else None)
 
 
 def test_full_finetune_exports_the_model_itself(store):

@@ -76,7 +76,7 @@ def reproduce(out: dict, tmp_path: Path, **env: str) -> None:
     print(f"{len(got)} predictions from the export, {sum(g == e for g, e in zip(got, expected, strict=True))} "
           f"equal to evaluate's; e.g. {got[:2]!r}")
     assert got == expected
-    if out["export"].manifest["metrics"].get("format") != "adapter" and isinstance(expected[0], str) and \
+    if out["export"].manifest["metrics"].get("layout") != "adapter" and isinstance(expected[0], str) and \
             json.loads((out["export"].path / "finetune_pipeline.json").read_text())["model"]["task"] == "seq_cls":
         # equal labels could be one class for all: the logits themselves are the evaluated model's
         d = float((torch.tensor(json.loads(lines[-2])) - evaluated_logits(out, len(got))).abs().max())
@@ -110,7 +110,7 @@ T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from
 def test_export_loads_alone_and_reproduces_the_evaluated_predictions(store, tmp_path, pipeline, sets, top):
     out = helpers.run(pipeline, *sets)
     ex = out["export"].path
-    assert out["export"].manifest["metrics"]["format"] == top
+    assert out["export"].manifest["metrics"]["layout"] == top
     assert (ex / "config.json").is_file() and (ex / "model.safetensors").is_file()
     assert not (ex / "config.json").read_text().count("quantization_config")
     assert json.loads((ex / "finetune_pipeline.json").read_text())["name"] == pipeline
