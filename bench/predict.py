@@ -5,8 +5,7 @@ path timed on the same texts, interleaved (all paths once, then again), at 1 and
 Rows: `pipeline("text-classification")` with its defaults (batch size 1; truncation=True added: longer
 reviews fail without it) and with batch_size=8; `finetune predict` with the torch runtime (length-sorted
 batches, the precision the run evaluated in); the export's ONNX files in onnxruntime, fp32 and int8
-(`--runtime onnx` / `onnx-int8`, export.formats: [hf, onnx]; the export's int8 file has a scale per output
-channel, and a row beside it quantizes the same fp32 file with one scale per tensor). Per row: best time, reviews/s, the speed ratio
+(`--runtime onnx` / `onnx-int8`, export.formats: [hf, onnx]). Per row: best time, reviews/s, the speed ratio
 to the pipeline's defaults, label agreement with it, and accuracy against the reviews' labels. Model loading is
 outside the timings; the start-up of a one-text command (import + load + predict) is timed in fresh processes.
 
@@ -50,23 +49,6 @@ def onnx(folder: Path, runtime: str, threads: int) -> object:
     return ex
 
 
-def per_tensor(folder: Path, threads: int) -> object:
-    """The export's fp32 ONNX file quantized with one scale per tensor (the export uses one per output channel),
-    in bench/out/, run as `--runtime onnx-int8` runs the export's."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from stages.common.onnx_export import FP32, ONNX_DIR, session
-
-    dst = ROOT / "bench" / "out" / "predict" / f"{folder.name[:16]}-int8-per-tensor.onnx"
-    if not dst.is_file():
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        quantize_dynamic(str(folder / ONNX_DIR / FP32), str(dst), weight_type=QuantType.QInt8)
-    ex = onnx(folder, "onnx-int8", threads)
-    ex.model.path = dst
-    ex.model.sess = session(dst, threads)
-    return ex
-
-
 def startup(argv: list[str]) -> float:
     t = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -105,8 +87,7 @@ def main() -> int:
         paths = {"pipeline() defaults": pipe, "pipeline(batch_size=8)": pipe,
                  "finetune predict (torch)": load_export(folder),
                  "ONNX fp32 (--runtime onnx)": onnx(folder, "onnx", threads),
-                 "ONNX int8 (--runtime onnx-int8)": onnx(folder, "onnx-int8", threads),
-                 "ONNX int8, one scale per tensor": per_tensor(folder, threads)}
+                 "ONNX int8 (--runtime onnx-int8)": onnx(folder, "onnx-int8", threads)}
         names = names or paths["finetune predict (torch)"].model.config.id2label
         times: dict[str, list[float]] = {k: [] for k in paths}
         labels: dict[str, list[str]] = {}

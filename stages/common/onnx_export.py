@@ -104,8 +104,7 @@ def write(model: Any, out: Path) -> Path:
 
 def quantize(src: Path) -> Path:
     """onnx/model_int8.onnx: src with its weights quantized to int8 (onnxruntime's dynamic quantization:
-    activations quantized per batch at run time), a scale per output channel: as fast as one scale per tensor,
-    and fewer labels change (bench/predict.py times both)."""
+    activations quantized per batch at run time)."""
     import logging
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -116,7 +115,7 @@ def quantize(src: Path) -> Path:
     # a line per tensor on the root logger (INFO), and advice to pre-process the graph first (WARNING)
     root.setLevel(max(level, logging.ERROR))
     try:
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True)
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
     finally:
         root.setLevel(level)
     return dst
