@@ -19,7 +19,7 @@ from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import checkpoints
 from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
-from stages.engine.store import Store
+from stages.engine.store import Store, publishing_work
 from stages.train import TrainRun, train_model
 
 HERE = Path(__file__).resolve().parent
@@ -79,6 +79,18 @@ def test_shards_are_disjoint_and_cover_the_effective_batch():
         assert sorted(parts[0] + parts[1]) == sorted(batch) and not set(parts[0]) & set(parts[1])
 
 
+def published(record: Path, folder: Path) -> None:
+    """What a shared store's publish_work is handed in the stage's process: here, the folder's name, appended
+    to `record` once the folder is a complete checkpoint (progress.json, written last, is there)."""
+    assert (folder / "progress.json").is_file() and (folder / "trainable.safetensors").is_file()
+    with open(record, "a") as f:
+        f.write(f"{folder.parent.name}/{folder.name}\n")
+
+
+def handed_over(record: Path) -> list[str]:
+    return record.read_text().split() if record.exists() else []
+
+
 def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
     """Machines 0 and 1, one process each: two `accelerate launch` invocations (machine 1's in a thread),
     each with its own work and launch folders, meeting at one rendezvous on 127.0.0.1. Returns both results."""
@@ -86,10 +98,11 @@ def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
 
     def machine(rank: int) -> dict | None:
         d = tmp_path / f"machine{rank}"
-        return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
-                                                      "weights": str(tmp_path / f"w{rank}.st"), **extra},
-                      1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
-                      main_process_ip="127.0.0.1", port=port)
+        with publishing_work(lambda folder: published(tmp_path / f"published{rank}.txt", folder)):
+            return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
+                                                          "weights": str(tmp_path / f"w{rank}.st"), **extra},
+                          1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
+                          main_process_ip="127.0.0.1", port=port)
 
     with ThreadPoolExecutor(1) as pool:
         other = pool.submit(machine, 1)
@@ -128,6 +141,9 @@ def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, r
     assert not (tmp_path / "machine1" / "out").exists()
     assert [p.name for p in (tmp_path / "machine1" / "work").iterdir()] == ["received"]
     assert [s for s, _ in checkpoints(tmp_path / "machine1" / "work" / "received" / "rank-1")] == [5]
+    # each checkpoint was handed to machine 0's stage process to publish, once; machine 1's never saw one
+    assert handed_over(tmp_path / "published0.txt") == [f"checkpoints/step-{s:06d}" for s in (5, 10, 14)]
+    assert handed_over(tmp_path / "published1.txt") == []
 
 
 @needs_shared_data
@@ -189,13 +205,15 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
 
     args = {"out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "weights": str(tmp_path / "w.st")}
     crash = r"process 1 of 2 under accelerate launch failed with RuntimeError: boom in the worker at step 7 .*num_processes=1"
-    with pytest.raises(LaunchError, match=crash):
+    record = tmp_path / "published.txt"
+    with pytest.raises(LaunchError, match=crash), publishing_work(lambda folder: published(record, folder)):
         launch("test_distributed:train_tiny", {**args, "crash_at": 7}, 2, tmp_path / "launch", log, pythonpath=PATHS)
     assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [5]
     # the rerun also passes an accelerate config file (DDP; its num_processes is overridden by ours)
     config = tmp_path / "accelerate.yaml"
     config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nnum_machines: 1\ngpu_ids: all\n")
-    with caplog.at_level(logging.INFO, logger="test.distributed"):
+    with caplog.at_level(logging.INFO, logger="test.distributed"), \
+            publishing_work(lambda folder: published(record, folder)):
         m = launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS,
                    config_file=config)
     assert m["resumed_from_step"] == 5 and any("resumed from step 5 " in r.message for r in caplog.records)
@@ -213,6 +231,8 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
     assert m["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
     assert [v["val_loss"] for v in m["validation"]] == pytest.approx([v["val_loss"] for v in ref["validation"]], abs=1e-5)
     assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [10, 14]  # rank 0 alone wrote them
+    # and handed each to the launching process to publish, once (the crashed run's step 5, then 10 and 14)
+    assert handed_over(record) == [f"checkpoints/step-{s:06d}" for s in (5, 10, 14)]
 
 
 def test_accelerate_config_must_be_ddp(tmp_path):
