@@ -4,15 +4,20 @@ the same data order."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import needs_shared_data, run, spawn
+from helpers import ROOT, computed, needs_shared_data, run, spawn, subprocess_env
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.batching import epoch_batches, shard
@@ -249,3 +254,78 @@ def test_accelerate_config_must_be_ddp(tmp_path):
         check_accelerate_config(tmp_path / "cpu.yaml")
     (tmp_path / "ddp.yaml").write_text("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n")
     assert check_accelerate_config(tmp_path / "ddp.yaml") == tmp_path / "ddp.yaml"
+
+
+SHARED = ["data.subset={train: 64, validation: 8, test: 8}", "train.num_processes=2", "train.max_steps=40",
+          "train.checkpoint_every=2"]
+
+
+@needs_shared_data
+def test_a_two_process_run_killed_mid_train_resumes_on_another_machine_from_the_s3_store(s3_endpoint, tmp_path,
+                                                                                         monkeypatch, caplog):
+    """Acceptance (issue 31): tiny-imdb with train.num_processes=2 on an s3:// store (moto), "machine" A (its own
+    FINETUNE_CACHE) killed with -9, its whole process tree, once a checkpoint is on the shared store; "machine" B
+    (a second FINETUNE_CACHE) reruns it: the upstream stages are store hits, train resumes from the checkpoint
+    A's rank 0 published and ends on the weights of an uninterrupted 2-process run (a local store)."""
+    import psutil
+    from safetensors.torch import load_file
+
+    from stages.engine.remote_store import RemoteStore
+
+    url = f"s3://finetune-test/multi-process-{uuid.uuid4().hex[:8]}"
+    shared = RemoteStore(url, cache=tmp_path / "reader")
+    sets = [a for s in SHARED for a in ("--set", s)]
+    with open(tmp_path / "a.log", "w") as out:
+        a = subprocess.Popen([sys.executable, "-m", "stages", "tiny-imdb", "--until", "train", *sets], cwd=ROOT,
+                             env=subprocess_env(url, FINETUNE_CACHE=str(tmp_path / "a"), FINETUNE_LEASE_TTL_S="4"),
+                             stdout=out, stderr=subprocess.STDOUT)
+    deadline, latest = time.monotonic() + 300, []
+    try:
+        while not latest:  # the first checkpoint on the shared store: then machine A dies, mid-train
+            assert a.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint reached the shared store"
+            time.sleep(0.2)
+            shared.fs.invalidate_cache()
+            latest = shared.fs.glob(shared._r(".work", "train-*", "latest.json"))
+    finally:
+        tree = psutil.Process(a.pid)
+        victims = [*tree.children(recursive=True), tree]  # the stage, accelerate's launcher and its 2 processes
+        for p in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        a.wait()
+        psutil.wait_procs(victims, timeout=30)
+    printed = (tmp_path / "a.log").read_text()
+    assert len(victims) >= 4 and "train: resumed from step" not in printed, printed[-3000:]
+    shared.fs.invalidate_cache()
+    saved = json.loads(shared.fs.cat_file(latest[0]))["folder"]  # the newest checkpoint A published
+    at = int(saved.rsplit("-", 1)[1])
+    work = latest[0].rsplit("/", 1)[0]
+    assert {p.rsplit("/", 1)[1] for p in shared.fs.ls(f"{work}/checkpoints")} == {saved.split("/")[1]}
+    assert json.loads(shared.fs.cat_file(f"{work}/resume.json")) == {"step": at, "of": 40}  # the resume point
+    assert 2 <= at < 40 and not list((tmp_path / "a").glob("*/train/*"))  # A died mid-train
+
+    monkeypatch.setenv("FINETUNE_STORE", url)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "b"))
+    monkeypatch.setenv("FINETUNE_LEASE_TTL_S", "4")  # A's lease on the train key expires
+    with caplog.at_level(logging.INFO):
+        t0 = time.perf_counter()
+        out = run("tiny-imdb", *SHARED, until="train")
+        resumed_s = time.perf_counter() - t0
+    m = out["train"].manifest["metrics"]
+    assert computed(out) == {"train"} and m["resumed_from_step"] == at and m["steps"] == 40
+    assert any(f"train: resumed from step {at} " in r.getMessage() for r in caplog.records)
+    shared.fs.invalidate_cache()
+    assert not shared.fs.exists(work)  # the commit dropped the shared work
+    assert out["train"].path.is_relative_to(tmp_path / "b")
+
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "reference"))  # the uninterrupted 2-process run
+    ref = run("tiny-imdb", *SHARED, until="train")["train"]
+    assert ref.key == out["train"].key and ref.manifest["metrics"]["resumed_from_step"] is None
+    diffs = {}
+    for f in sorted((ref.path / "trained").glob("*.safetensors")):
+        w, w_ref = load_file(str(out["train"].path / "trained" / f.name)), load_file(str(f))
+        diffs[f.name] = max((w[k] - w_ref[k]).abs().max().item() for k in w_ref)
+    print(f"2 processes killed after checkpoint step {at} of 40 on machine A, resumed on machine B in "
+          f"{resumed_s:.1f} s: max |w - w_uninterrupted| = {diffs}")
+    assert diffs and max(diffs.values()) <= 1e-6
