@@ -28,11 +28,14 @@ common/distributed.py), one process per GPU (gloo processes on CPU). Effective b
 accumulation x processes; every process takes its shard of each effective batch, the loss denominator is
 the count over the whole global batch and DDP averages the gradients (distributed.shard_window), so the
 weights equal one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and
-writes the artifact. The OOM back-off is off there (one process cannot retry alone).
+writes the artifact; its checkpoints and resume point reach a shared store through the stage's own process
+(distributed.hand_over) while the other ranks wait at a barrier. The OOM back-off is off there (one process
+cannot retry alone).
 
 Several machines (train.num_machines > 1): each runs the pipeline with its own train.machine_rank; they meet
 at machine 0's main_process_ip:port (torchrun's rendezvous). Global rank 0 alone writes; the others run the
-stage outside the store (Stage.joins) and stop after it. Machine 0's rank 0 sends them its resume checkpoint.
+stage outside the store (Stage.joins) and stop after it. Machine 0's rank 0 sends them its resume checkpoint,
+and its checkpoints are published by machine 0's stage, as with one machine.
 """
 
 from __future__ import annotations
@@ -385,6 +388,8 @@ class TrainRun:
             save_checkpoint(self.ckpt_dir, self.progress, self.core, self.optimizer, self.lr_scheduler,
                             self.accelerator.scaler, self.cfg.keep_checkpoints,
                             links={"best.safetensors": best} if best else None, of=self.total_steps)
+        if self.world > 1:  # the others wait while rank 0 saves it and its launcher publishes it
+            self.accelerator.wait_for_everyone()
         self.saved_step = self.progress.step
 
     # ------------------------------------------------------------------ cleanup

@@ -121,6 +121,7 @@ SLOW = {
     "tests/stages/test_distributed.py": (
         "test_a_config_error_in_a_launched_process_is_the_stage_error_of_its_class",
         "test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes",
+        "test_a_two_process_run_killed_mid_train_resumes_on_another_machine_from_the_s3_store",
         "test_the_stage_on_two_machines_each_with_its_own_store",
         "test_the_stage_with_two_processes_through_the_store",
         "test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash",

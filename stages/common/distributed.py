@@ -11,6 +11,12 @@ environment (RANK, WORLD_SIZE, MASTER_PORT) and wraps the model in DDP. Several 
 `launch` with its `machine_rank` and machine 0's address and port (torchrun's rendezvous); a machine other
 than 0 returns None. `share_folder` hands rank 0's files (a resume checkpoint) to the other machines.
 
+Work a launched process saves (a checkpoint: `store.work_saved`) is published by the launching stage's process,
+which holds the store: rank 0 prints one `finetune:work-saved <folder>` line and waits; the stage's process
+reads it, calls `work_saved(folder)` there (on a shared store: the upload to `.work/<stage>-<key>/`, exactly as
+in one process) and answers through run_dir/published.json. Other ranks never publish. Under several
+machines that is machine 0's stage (global rank 0 runs there); the others commit nothing.
+
 A failure becomes one stage error: a FinetuneError raised in a process (a config problem, a missing
 input) is raised again here with its own class and message; anything else (a crash, a killed process)
 is a LaunchError with the exit status, the last lines printed, and the fix. Interrupting the stage (Ctrl-C,
@@ -39,9 +45,12 @@ from typing import Any
 from stages.engine import errors
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, work_root
-from stages.engine.store import write_json_atomic
+from stages.engine.store import publishing_work, work_saved, write_json_atomic
 
 TAIL_LINES = 25
+SAVED = "finetune:work-saved "  # rank 0's line to its launcher: publish this folder of the work_dir
+PUBLISHED = "published.json"  # the launcher's answer: {"folder": the folder it published}
+POLL_S = 0.05
 
 
 class LaunchError(FinetuneError):
@@ -115,10 +124,11 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
     config = check_accelerate_config(config_file, what) if config_file else None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [run_dir / "result.json", *run_dir.glob("error-*.json")]:
+    for stale in [run_dir / "result.json", run_dir / PUBLISHED, *run_dir.glob("error-*.json")]:
         stale.unlink(missing_ok=True)
     payload = run_dir / "payload.json"
-    payload.write_text(json.dumps({"target": target, "args": args, "run_dir": str(run_dir)}, indent=1))
+    payload.write_text(json.dumps({"target": target, "args": args, "run_dir": str(run_dir),
+                                   "launcher_pid": os.getpid()}, indent=1))
     if num_machines > 1 and (port is None or main_process_ip is None):
         raise ConfigError(f"{what}.num_machines: {num_machines} machines need {what}.main_process_ip and "
                           f"{what}.main_process_port, the same on every machine")
@@ -139,7 +149,11 @@ def launch(target: str, args: dict[str, Any], num_processes: int, run_dir: Path,
         assert proc.stdout is not None
         for line in proc.stdout:
             line = line.rstrip()
-            if line:
+            _, saved, folder = line.partition(SAVED)
+            if saved:  # rank 0 saved a checkpoint and waits: publish it from here, then say so
+                work_saved(Path(folder))
+                write_json_atomic(run_dir / PUBLISHED, {"folder": folder})
+            elif line:
                 tail.append(line)
                 log.info("%s", line)
         rc = proc.wait()
@@ -194,6 +208,33 @@ def _raised_in_worker(run_dir: Path, what: str, alone: str) -> FinetuneError | N
 
 
 # ---------------------------------------------------------------- inside each launched process
+
+def hand_over(folder: Path, run_dir: Path, launcher_pid: int | None) -> None:
+    """Rank 0's `work_saved`: ask the launching stage's process to publish `folder` and wait until it has (so
+    the next checkpoint cannot remove the folder mid-upload, and a crash after this returns loses nothing
+    published), as `work_saved` returns after the upload in one process."""
+    done = run_dir / PUBLISHED
+    print(f"{SAVED}{folder}", flush=True)
+    while True:
+        try:
+            if json.loads(done.read_text()).get("folder") == str(folder):
+                done.unlink()
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        if launcher_pid is not None and not _alive(launcher_pid):
+            raise LaunchError(f"the stage process that launched this one ({launcher_pid}) is gone; {folder} was "
+                              f"saved but not published")
+        time.sleep(POLL_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:  # no such process (or another user's, which took its pid)
+        return False
+    return True
+
 
 def share_folder(folder: Path | None, dest: Path, device: Any) -> Path | None:
     """Global rank 0's `folder` (or None) on every rank: the others receive a copy of its files under `dest`
@@ -278,8 +319,12 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     run_dir = Path(spec["run_dir"])
     module, _, name = spec["target"].partition(":")
+    # global rank 0 alone publishes what it saves, through the launcher; another rank's work_saved is a no-op
+    publish = (publishing_work(lambda folder: hand_over(folder, run_dir, spec.get("launcher_pid"))) if rank == 0
+               else contextlib.nullcontext())
     try:
-        result = getattr(importlib.import_module(module), name)(spec["args"])
+        with publish:
+            result = getattr(importlib.import_module(module), name)(spec["args"])
     except FinetuneError as err:
         write_json_atomic(run_dir / f"error-{rank:03d}.json", {"type": type(err).__name__, "message": str(err),
                                                           "rank": rank, "world": world, "time": time.time()})

@@ -168,6 +168,17 @@ def work_saved(folder: Path) -> None:
         publish(folder)
 
 
+@contextlib.contextmanager
+def publishing_work(publish: Callable[[Path], None]) -> Iterator[None]:
+    """While inside, `work_saved(folder)` calls `publish(folder)`: in a process a stage launched, the hand-over
+    to the stage's own process, which holds the store (stages/common/distributed.py)."""
+    token = _work_saved.set(publish)
+    try:
+        yield
+    finally:
+        _work_saved.reset(token)
+
+
 def files_digest(files: list[dict[str, Any]]) -> str:
     """What downstream stages see of an artifact: its files' hashes, the volatile ones left out."""
     return sha256_text(canonical_json({f["path"]: f["sha256"] for f in files if not f.get("volatile")}))

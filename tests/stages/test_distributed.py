@@ -4,22 +4,27 @@ the same data order."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import needs_shared_data, run, spawn
+from helpers import ROOT, computed, needs_shared_data, run, spawn, subprocess_env
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 from stages.common.batching import epoch_batches, shard
 from stages.common.checkpoint import checkpoints
 from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
-from stages.engine.store import Store
+from stages.engine.store import Store, publishing_work
 from stages.train import TrainRun, train_model
 
 HERE = Path(__file__).resolve().parent
@@ -79,6 +84,18 @@ def test_shards_are_disjoint_and_cover_the_effective_batch():
         assert sorted(parts[0] + parts[1]) == sorted(batch) and not set(parts[0]) & set(parts[1])
 
 
+def published(record: Path, folder: Path) -> None:
+    """What a shared store's publish_work is handed in the stage's process: here, the folder's name, appended
+    to `record` once the folder is a complete checkpoint (progress.json, written last, is there)."""
+    assert (folder / "progress.json").is_file() and (folder / "trainable.safetensors").is_file()
+    with open(record, "a") as f:
+        f.write(f"{folder.parent.name}/{folder.name}\n")
+
+
+def handed_over(record: Path) -> list[str]:
+    return record.read_text().split() if record.exists() else []
+
+
 def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
     """Machines 0 and 1, one process each: two `accelerate launch` invocations (machine 1's in a thread),
     each with its own work and launch folders, meeting at one rendezvous on 127.0.0.1. Returns both results."""
@@ -86,10 +103,11 @@ def two_machines(tmp_path: Path, **extra) -> tuple[dict, dict]:
 
     def machine(rank: int) -> dict | None:
         d = tmp_path / f"machine{rank}"
-        return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
-                                                      "weights": str(tmp_path / f"w{rank}.st"), **extra},
-                      1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
-                      main_process_ip="127.0.0.1", port=port)
+        with publishing_work(lambda folder: published(tmp_path / f"published{rank}.txt", folder)):
+            return launch("test_distributed:train_tiny", {"out": str(d / "out"), "work": str(d / "work"),
+                                                          "weights": str(tmp_path / f"w{rank}.st"), **extra},
+                          1, d / "launch", log, pythonpath=PATHS, num_machines=2, machine_rank=rank,
+                          main_process_ip="127.0.0.1", port=port)
 
     with ThreadPoolExecutor(1) as pool:
         other = pool.submit(machine, 1)
@@ -128,6 +146,9 @@ def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, r
     assert not (tmp_path / "machine1" / "out").exists()
     assert [p.name for p in (tmp_path / "machine1" / "work").iterdir()] == ["received"]
     assert [s for s, _ in checkpoints(tmp_path / "machine1" / "work" / "received" / "rank-1")] == [5]
+    # each checkpoint was handed to machine 0's stage process to publish, once; machine 1's never saw one
+    assert handed_over(tmp_path / "published0.txt") == [f"checkpoints/step-{s:06d}" for s in (5, 10, 14)]
+    assert handed_over(tmp_path / "published1.txt") == []
 
 
 @needs_shared_data
@@ -189,13 +210,15 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
 
     args = {"out": str(tmp_path / "out"), "work": str(tmp_path / "work"), "weights": str(tmp_path / "w.st")}
     crash = r"process 1 of 2 under accelerate launch failed with RuntimeError: boom in the worker at step 7 .*num_processes=1"
-    with pytest.raises(LaunchError, match=crash):
+    record = tmp_path / "published.txt"
+    with pytest.raises(LaunchError, match=crash), publishing_work(lambda folder: published(record, folder)):
         launch("test_distributed:train_tiny", {**args, "crash_at": 7}, 2, tmp_path / "launch", log, pythonpath=PATHS)
     assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [5]
     # the rerun also passes an accelerate config file (DDP; its num_processes is overridden by ours)
     config = tmp_path / "accelerate.yaml"
     config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\nnum_machines: 1\ngpu_ids: all\n")
-    with caplog.at_level(logging.INFO, logger="test.distributed"):
+    with caplog.at_level(logging.INFO, logger="test.distributed"), \
+            publishing_work(lambda folder: published(record, folder)):
         m = launch("test_distributed:train_tiny", args, 2, tmp_path / "launch", log, pythonpath=PATHS,
                    config_file=config)
     assert m["resumed_from_step"] == 5 and any("resumed from step 5 " in r.message for r in caplog.records)
@@ -213,6 +236,8 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
     assert m["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-5)
     assert [v["val_loss"] for v in m["validation"]] == pytest.approx([v["val_loss"] for v in ref["validation"]], abs=1e-5)
     assert [s for s, _ in checkpoints(tmp_path / "work" / "checkpoints")] == [10, 14]  # rank 0 alone wrote them
+    # and handed each to the launching process to publish, once (the crashed run's step 5, then 10 and 14)
+    assert handed_over(record) == [f"checkpoints/step-{s:06d}" for s in (5, 10, 14)]
 
 
 def test_accelerate_config_must_be_ddp(tmp_path):
@@ -229,3 +254,80 @@ def test_accelerate_config_must_be_ddp(tmp_path):
         check_accelerate_config(tmp_path / "cpu.yaml")
     (tmp_path / "ddp.yaml").write_text("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n")
     assert check_accelerate_config(tmp_path / "ddp.yaml") == tmp_path / "ddp.yaml"
+
+
+SHARED = ["data.subset={train: 64, validation: 8, test: 8}", "train.num_processes=2", "train.max_steps=40",
+          "train.checkpoint_every=2"]
+
+
+@needs_shared_data
+def test_a_two_process_run_killed_mid_train_resumes_on_another_machine_from_the_s3_store(s3_endpoint, tmp_path,
+                                                                                         monkeypatch, caplog):
+    """Acceptance (issue 31): tiny-imdb with train.num_processes=2 on an s3:// store (moto), "machine" A (its own
+    FINETUNE_CACHE) killed with -9, its whole process tree, once a checkpoint is on the shared store; "machine" B
+    (a second FINETUNE_CACHE) reruns it: the upstream stages are store hits, train resumes from the checkpoint
+    A's rank 0 published and ends on the weights of an uninterrupted 2-process run (a local store)."""
+    import psutil
+    from safetensors.torch import load_file
+
+    from stages.engine.remote_store import RemoteStore
+
+    url = f"s3://finetune-test/multi-process-{uuid.uuid4().hex[:8]}"
+    shared = RemoteStore(url, cache=tmp_path / "reader")
+    sets = [a for s in SHARED for a in ("--set", s)]
+    with open(tmp_path / "a.log", "w") as out:
+        a = subprocess.Popen([sys.executable, "-m", "stages", "tiny-imdb", "--until", "train", *sets], cwd=ROOT,
+                             env=subprocess_env(url, FINETUNE_CACHE=str(tmp_path / "a"), FINETUNE_LEASE_TTL_S="4"),
+                             stdout=out, stderr=subprocess.STDOUT)
+    deadline, latest = time.monotonic() + 300, []
+    try:
+        while not latest:  # the first checkpoint on the shared store: then machine A dies, mid-train
+            assert a.poll() is None, (tmp_path / "a.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint reached the shared store"
+            time.sleep(0.2)
+            shared.fs.invalidate_cache()
+            latest = shared.fs.glob(shared._r(".work", "train-*", "latest.json"))
+    finally:
+        victims = []
+        with contextlib.suppress(psutil.NoSuchProcess):  # (gone already: the assertion above says why)
+            tree = psutil.Process(a.pid)
+            victims = [*tree.children(recursive=True), tree]  # the stage, accelerate's launcher, its 2 processes
+        for p in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        a.wait()
+        psutil.wait_procs(victims, timeout=30)
+    printed = (tmp_path / "a.log").read_text()
+    assert len(victims) >= 4 and "train: resumed from step" not in printed, printed[-3000:]
+    shared.fs.invalidate_cache()
+    saved = json.loads(shared.fs.cat_file(latest[0]))["folder"]  # the newest checkpoint A published
+    at = int(saved.rsplit("-", 1)[1])
+    work = latest[0].rsplit("/", 1)[0]
+    assert {p.rsplit("/", 1)[1] for p in shared.fs.ls(f"{work}/checkpoints")} == {saved.split("/")[1]}
+    assert json.loads(shared.fs.cat_file(f"{work}/resume.json")) == {"step": at, "of": 40}  # the resume point
+    assert 2 <= at < 40 and not list((tmp_path / "a").glob("*/train/*"))  # A died mid-train
+
+    monkeypatch.setenv("FINETUNE_STORE", url)
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "b"))
+    monkeypatch.setenv("FINETUNE_LEASE_TTL_S", "4")  # A's lease on the train key expires
+    with caplog.at_level(logging.INFO):
+        t0 = time.perf_counter()
+        out = run("tiny-imdb", *SHARED, until="train")
+        resumed_s = time.perf_counter() - t0
+    m = out["train"].manifest["metrics"]
+    assert computed(out) == {"train"} and m["resumed_from_step"] == at and m["steps"] == 40
+    assert any(f"train: resumed from step {at} " in r.getMessage() for r in caplog.records)
+    shared.fs.invalidate_cache()
+    assert not shared.fs.exists(work)  # the commit dropped the shared work
+    assert out["train"].path.is_relative_to(tmp_path / "b")
+
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "reference"))  # the uninterrupted 2-process run
+    ref = run("tiny-imdb", *SHARED, until="train")["train"]
+    assert ref.key == out["train"].key and ref.manifest["metrics"]["resumed_from_step"] is None
+    diffs = {}
+    for f in sorted((ref.path / "trained").glob("*.safetensors")):
+        w, w_ref = load_file(str(out["train"].path / "trained" / f.name)), load_file(str(f))
+        diffs[f.name] = max((w[k] - w_ref[k]).abs().max().item() for k in w_ref)
+    print(f"2 processes killed after checkpoint step {at} of 40 on machine A, resumed on machine B in "
+          f"{resumed_s:.1f} s: max |w - w_uninterrupted| = {diffs}")
+    assert diffs and max(diffs.values()) <= 1e-6
