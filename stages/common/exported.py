@@ -64,9 +64,9 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
         refuse_chat(folder, task, tok)
     name = task.auto_class
     if runtime != "torch":
-        if not task.classifies:
+        if task.decoder_only:
             raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; ONNX exports are of "
-                              f"classifiers (seq_cls): give --runtime torch")
+                              f"classifiers and seq2seq models: give --runtime torch")
         from stages.common.onnx_export import runtime_model
 
         model = runtime_model(folder, runtime)

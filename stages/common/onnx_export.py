@@ -1,5 +1,5 @@
 """ONNX beside the Hugging Face folder (`export.formats: [hf, onnx]`; docs/export.md#onnx), for runtimes without
-torch: an encoder classifier's model as the export folder holds it, exported with torch.onnx (dynamic batch and
+torch (a seq2seq export's: stages/common/onnx_seq2seq.py): an encoder classifier's model as the export folder holds it, exported with torch.onnx (dynamic batch and
 sequence axes, inputs input_ids + attention_mask, output logits) to onnx/model.onnx and, with
 `export.onnx_int8`, quantized to int8 with onnxruntime's dynamic quantization (onnx/model_int8.onnx).
 
@@ -48,9 +48,10 @@ def check_formats(cfg: PipelineConfig) -> None:
                               "(e.g. export.formats=[hf, onnx])")
         return
     task = task_of(cfg.model.task)
-    if not task.classifies:
-        raise ConfigError(f"export.formats onnx: model.task {task.name} is not exported to ONNX (encoder "
-                          f"classifiers, seq_cls, are); remove onnx from export.formats")
+    if task.decoder_only:
+        raise ConfigError(f"export.formats onnx: model.task {task.name} is not exported to ONNX (classifiers and "
+                          f"seq2seq are); a causal LM is exported as GGUF for llama.cpp (export.formats: [hf, gguf]; "
+                          f"docs/export.md); remove onnx from export.formats")
     if missing := missing_extra():
         raise ConfigError(f"export.formats onnx: {missing} not installed; pip install '.[onnx]' "
                           f"(or remove onnx from export.formats)")
@@ -148,7 +149,12 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
 
 
 def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool, log: Any) -> dict[str, Any]:
-    """Write onnx/ for the classifier at the top of `out` and check each file; the facts for the manifest."""
+    """Write onnx/ for the classifier at the top of `out` and check each file; the facts for the manifest. A
+    seq2seq export's: stages/common/onnx_seq2seq.py."""
+    if seq2seq(out):
+        from stages.common import onnx_seq2seq
+
+        return onnx_seq2seq.export_checked(out, tokenized, splits, int8, log)
     import datasets
     import numpy as np
     import transformers
@@ -182,6 +188,10 @@ def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool
 
 def card_line(facts: dict[str, Any]) -> str:
     """The card's line for onnx/."""
+    if "files" in facts["fp32"]:
+        from stages.common import onnx_seq2seq
+
+        return onnx_seq2seq.card_line(facts)
     f = facts["fp32"]
     line = (f"{FP32} (fp32, opset {facts['opset']}; inputs input_ids and attention_mask, output logits), checked in "
             f"onnxruntime on {f['rows']} evaluated rows: every label equal to torch's, largest |logit difference| "
@@ -193,19 +203,43 @@ def card_line(facts: dict[str, Any]) -> str:
     return line
 
 
-def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Any:
-    """An export's ONNX file (`runtime` onnx: model.onnx; onnx-int8: model_int8.onnx) as the classifier model
-    `finetune predict --runtime` runs (OnnxClassifier); one line when the folder has no such file."""
+def seq2seq(folder: Path) -> bool:
+    """Whether an export folder's model is an encoder-decoder (its ONNX: onnx_seq2seq.py)."""
     import transformers
 
+    from stages.common.onnx_seq2seq import model_folder
+
+    return bool(getattr(transformers.AutoConfig.from_pretrained(str(model_folder(folder))), "is_encoder_decoder",
+                        False))
+
+
+def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Any:
+    """An export's ONNX file (`runtime` onnx: model.onnx; onnx-int8: model_int8.onnx) as the classifier model
+    `finetune predict --runtime` runs (OnnxClassifier), or a seq2seq export's encoder and decoder files
+    (OnnxSeq2Seq); one line when the folder has no such file."""
+    import transformers
+
+    if seq2seq(folder):
+        from stages.common import onnx_seq2seq as s2s
+
+        names = [s2s.int8_name(n) if runtime == "onnx-int8" else n for n in (s2s.ENCODER, s2s.DECODER)]
+        missing(folder, runtime, names)
+        return s2s.runtime(folder, *names, threads=threads)
     path = folder / ONNX_DIR / (INT8 if runtime == "onnx-int8" else FP32)
-    if not path.is_file():
-        how = "export.onnx_int8: true" if runtime == "onnx-int8" else "export.formats: [hf, onnx]"
-        raise ConfigError(f"--runtime {runtime}: {folder} has no {ONNX_DIR}/{path.name}; export the pipeline with "
-                          f"{how} (docs/export.md#onnx), or give --runtime torch")
-    if missing := missing_extra():
-        raise ConfigError(f"--runtime {runtime}: {missing} not installed; pip install '.[onnx]'")
+    missing(folder, runtime, [path.name])
     return OnnxClassifier(session(path, threads), transformers.AutoConfig.from_pretrained(str(folder)), path)
+
+
+def missing(folder: Path, runtime: str, names: list[str]) -> None:
+    """One line when the folder lacks one of the ONNX files `--runtime` runs, or onnxruntime is not installed."""
+    for name in names:
+        path = folder / ONNX_DIR / name
+        if not path.is_file():
+            how = "export.onnx_int8: true" if runtime == "onnx-int8" else "export.formats: [hf, onnx]"
+            raise ConfigError(f"--runtime {runtime}: {folder} has no {ONNX_DIR}/{path.name}; export the pipeline "
+                              f"with {how} (docs/export.md#onnx), or give --runtime torch")
+    if lacking := missing_extra():
+        raise ConfigError(f"--runtime {runtime}: {lacking} not installed; pip install '.[onnx]'")
 
 
 class OnnxClassifier:
