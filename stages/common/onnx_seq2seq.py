@@ -83,6 +83,7 @@ def write(model: Any, out: Path) -> tuple[Path, Path]:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch: the TorchScript exporter's notice
         torch.onnx.export(Encoder(model.get_encoder()), (ids, torch.ones_like(ids)), str(folder / ENCODER),
                           input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
                           dynamic_axes={"input_ids": {0: "batch", 1: "sequence"},
