@@ -1,7 +1,7 @@
 """Seq2seq generation on a CPU (docs/export.md#seq2seq): a t5-small-shaped model (random weights from its
 config: no hub here, so every row runs to max_new_tokens, the worst case) on real billsum bills, greedy, timed
 as torch batched (length-sorted batches of 8, KV cache: what `finetune predict` runs), torch one bill at a
-time, and the ONNX export (onnx_seq2seq.py: no KV cache) in fp32 and int8, each checked against torch batched
+time, and the ONNX export (stages/common/onnx_export.py: no KV cache) in fp32 and int8, each checked against torch batched
 (rows identical). Interleaved, best of --repeats.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/predict_seq2seq.py [--n 16] [--new 32] [--threads 1]
@@ -35,7 +35,7 @@ def main() -> int:
     import torch
     import transformers
 
-    from stages.common import onnx_seq2seq
+    from stages.common import onnx_export
     from stages.common.hf import pretrained_source
     from stages.common.inference import generate
 
@@ -53,12 +53,12 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench-s2s-"))
     model.generation_config = gen
     model.save_pretrained(str(folder))
-    onnx_seq2seq.write(model, folder)
-    for name_ in (onnx_seq2seq.ENCODER, onnx_seq2seq.DECODER):
-        onnx_seq2seq.quantize(folder / "onnx" / name_)
+    onnx_export.write_seq2seq(model, folder)
+    for name_ in (onnx_export.ENCODER, onnx_export.DECODER):
+        onnx_export.quantize_as(folder / "onnx" / name_)
     cpu = torch.device("cpu")
-    fp32 = onnx_seq2seq.runtime(folder, "encoder.onnx", "decoder.onnx", args.threads)
-    int8 = onnx_seq2seq.runtime(folder, "encoder_int8.onnx", "decoder_int8.onnx", args.threads)
+    fp32 = onnx_export.seq2seq_runtime(folder, "encoder.onnx", "decoder.onnx", args.threads)
+    int8 = onnx_export.seq2seq_runtime(folder, "encoder_int8.onnx", "decoder_int8.onnx", args.threads)
     runs = {
         "torch batched (8, KV cache)": lambda: generate(model, prompts, tok, {"generation_config": gen}, 8, cpu,
                                                         False, "bench"),

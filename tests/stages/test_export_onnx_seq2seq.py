@@ -1,4 +1,4 @@
-"""export.formats: [hf, onnx] for seq2seq (stages/common/onnx_seq2seq.py): a tiny T5's onnx/encoder.onnx and
+"""export.formats: [hf, onnx] for seq2seq (stages/common/onnx_export.py): a tiny T5's onnx/encoder.onnx and
 decoder.onnx generate greedily in onnxruntime the token ids torch generates (checked before commit; int8
 reported), each row stopping at its end token; `finetune predict --runtime onnx` prints torch's texts; a tampered
 decoder.onnx fails the check with nothing committed; beams under --runtime onnx are one line."""
@@ -13,7 +13,7 @@ import pytest
 from helpers import BILLSUM, needs_shared_data
 
 from flows.predict import main as predict_main
-from stages.common import onnx_seq2seq
+from stages.common import onnx_export
 from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
@@ -56,12 +56,12 @@ def test_the_seq2seq_onnx_files_generate_as_torch_and_predict_prints_its_texts(e
     model = AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
     gen = GenerationConfig.from_pretrained(str(folder))
     prompts = [tok(cfg.tokenize.prefix + t, truncation=True)["input_ids"] for t in texts]
-    plain = onnx_seq2seq.generated_ids(model, prompts, tok.pad_token_id, gen)
+    plain = onnx_export.generated_ids(model, prompts, tok.pad_token_id, gen)
     eos = Counter(t for row in plain for t in row[1:-1]).most_common(1)[0][0]
     gen.update(eos_token_id=eos)
     with torch.no_grad():
-        want = onnx_seq2seq.generated_ids(model, prompts, tok.pad_token_id, gen)
-    got = onnx_seq2seq.generated_ids(runtime_model(folder, "onnx"), prompts, tok.pad_token_id, gen)
+        want = onnx_export.generated_ids(model, prompts, tok.pad_token_id, gen)
+    got = onnx_export.generated_ids(runtime_model(folder, "onnx"), prompts, tok.pad_token_id, gen)
     assert got == want
     assert len({len(r) for r in want}) > 1 and any(r[-1] == eos for r in want)  # stopped at different steps
 
@@ -89,7 +89,7 @@ def test_a_tampered_decoder_onnx_fails_its_check_and_nothing_is_committed(export
     from onnx import numpy_helper
 
     _, store, cfg = exported
-    real = onnx_seq2seq.write
+    real = onnx_export.write_seq2seq
 
     def tampered(model, out):
         encoder, decoder = real(model, out)
@@ -102,7 +102,7 @@ def test_a_tampered_decoder_onnx_fails_its_check_and_nothing_is_committed(export
         onnx.save(m, str(decoder))
         return encoder, decoder
 
-    monkeypatch.setattr(onnx_seq2seq, "write", tampered)
+    monkeypatch.setattr(onnx_export, "write_seq2seq", tampered)
     plan = GRAPH.plan(cfg, store, force=["export"])
     committed = store.artifact_dir("export", plan["export"].key.key) / "manifest.json"
     before = committed.read_text()
