@@ -234,9 +234,9 @@ def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Any
     import transformers
 
     if seq2seq(folder):
-        names = [int8_name(n) if runtime == "onnx-int8" else n for n in (ENCODER, DECODER)]
-        missing(folder, runtime, names)
-        return seq2seq_runtime(folder, *names, threads=threads)
+        encoder, decoder = (int8_name(n) if runtime == "onnx-int8" else n for n in (ENCODER, DECODER))
+        missing(folder, runtime, [encoder, decoder])
+        return seq2seq_runtime(folder, encoder, decoder, threads)
     path = folder / ONNX_DIR / (INT8 if runtime == "onnx-int8" else FP32)
     missing(folder, runtime, [path.name])
     return OnnxClassifier(session(path, threads), transformers.AutoConfig.from_pretrained(str(folder)), path)
