@@ -71,8 +71,9 @@ def top_layout(cfg: Any) -> str:
                "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
         raise ConfigError(f"export.layout adapter: the adapter alone cannot load from the export folder ({why}); "
                           f"set export.layout to auto or merged")
-    if x.layout == "auto":  # llama.cpp's converter reads merged weights
-        return "adapter" if alone and cfg.quantization.mode == "none" and "gguf" not in x.formats else "merged"
+    if x.layout == "auto":  # the ONNX export and llama.cpp's converter read merged weights
+        beside = {"onnx", "gguf"} & set(x.formats)
+        return "adapter" if alone and cfg.quantization.mode == "none" and not beside else "merged"
     return x.layout
 
 

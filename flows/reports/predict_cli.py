@@ -68,9 +68,9 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
                    help="autocast of the forward passes; export (default): the precision the run evaluated in, "
                    "so predictions.jsonl reproduces; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
     p.add_argument("--runtime", choices=("torch", "onnx", "onnx-int8", "gguf", "gguf-q8_0"), default="torch",
-                   help="torch (default): the Hugging Face model; onnx / onnx-int8: a classifier export's "
-                   "onnx/model.onnx / model_int8.onnx in onnxruntime (export.formats: [hf, onnx]); gguf / "
-                   "gguf-q8_0: a causal LM export's gguf/model-f16.gguf / model-q8_0.gguf in llama.cpp, greedy "
+                   help="torch (default): the Hugging Face model; onnx / onnx-int8: the export's onnx/ files (fp32 / "
+                   "int8) in onnxruntime (export.formats: [hf, onnx]; a seq2seq decodes greedily); gguf / gguf-q8_0: "
+                   "a causal LM export's gguf/model-f16.gguf / model-q8_0.gguf in llama.cpp, greedy "
                    "(export.formats: [hf, gguf])")
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
         from stages.common.exported import load_export, predict
 
         if args.runtime.startswith("onnx") and chats is not None:
-            raise ConfigError(f"--runtime {args.runtime}: ONNX exports are of classifiers; a chat runs with "
+            raise ConfigError(f"--runtime {args.runtime}: ONNX exports are of classifiers and seq2seq; a chat runs with "
                               f"--runtime torch")
         ex = load_export(folder, chat=chats is not None, runtime=args.runtime)
         gen = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))

@@ -79,9 +79,9 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
 
         model = gguf_model(folder, runtime)
     elif runtime != "torch":
-        if not task.classifies:
+        if task.decoder_only:
             raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; ONNX exports are of "
-                              f"classifiers (seq_cls): give --runtime torch")
+                              f"classifiers and seq2seq models: give --runtime torch (or gguf, with export.formats [hf, gguf])")
         from stages.common.onnx_export import runtime_model
 
         model = runtime_model(folder, runtime)

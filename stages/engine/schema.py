@@ -413,16 +413,17 @@ class ExportConfig(Section):
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
     formats: list[Literal["hf", "onnx", "gguf"]] = Field(
         ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
-        "`layout` says what is at its top), its tokenizer and card. onnx (seq_cls; pip install '.[onnx]'): "
-        "onnx/model.onnx beside it, checked in onnxruntime against the exported model on the evaluated rows "
-        "before the export is committed (docs/export.md#onnx). gguf (Llama-family causal LMs; pip install "
+        "`layout` says what is at its top), its tokenizer and card. onnx (seq_cls, seq2seq; pip install "
+        "'.[onnx]'): onnx/model.onnx (seq2seq: encoder.onnx and decoder.onnx) beside it, checked in onnxruntime "
+        "against the exported model on the evaluated rows before the export is committed (docs/export.md#onnx). gguf (Llama-family causal LMs; pip install "
         "'.[gguf]'): gguf/model-<type>.gguf for each of gguf_types, the merged weights converted by llama.cpp's "
         "converter and checked in llama.cpp against the exported model's greedy generations on the evaluated "
-        "prompts before the export is committed (docs/export.md#gguf); with it, layout auto puts the merged "
-        "model at the top")
-    onnx_int8: bool = Field(False, description="with onnx: also onnx/model_int8.onnx, its weights quantized to "
-                            "int8 (onnxruntime's dynamic quantization); its label agreement and accuracy beside "
-                            "fp32's are in the manifest and the card")
+        "prompts before the export is committed (docs/export.md#gguf). With onnx or gguf, layout auto puts "
+        "the merged model at the top")
+    onnx_int8: bool = Field(False, description="with onnx: also an int8 copy of each file (model_int8.onnx; "
+                            "seq2seq: encoder_int8.onnx, decoder_int8.onnx), its weights quantized by onnxruntime's "
+                            "dynamic quantization; its agreement with fp32 torch (a classifier's labels and "
+                            "accuracy, a seq2seq's identical generations) is in the manifest and the card")
     gguf_types: list[Literal["f16", "q8_0"]] = Field(
         ["f16", "q8_0"], min_length=1, description="with gguf: the GGUF files written, one per type (the types "
         "llama.cpp's converter writes itself). f16 must give torch's greedy tokens on every checked prompt; "
