@@ -21,15 +21,22 @@ from stages.common.packing import check_packing
 from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.common.tasks import task_of
 from stages.common.train_checks import check_config
+from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph
 from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 from stages.engine.stage import Lazy, Stage
 
 
 def check_formats(cfg: PipelineConfig) -> None:
-    """export.formats: each one possible for the task, its extra installed (plan time)."""
+    """export.formats: each one possible for the task, its extra installed, the merged weights it is written from
+    exported (plan time)."""
     onnx_export.check_formats(cfg)
     gguf_export.check_formats(cfg)
+    x = cfg.export
+    if (beside := [f for f in x.formats if f != "hf"]) and cfg.adapters.method == "lora" and \
+            x.layout == "adapter" and not x.merge:
+        raise ConfigError(f"export.formats {', '.join(beside)}: written from merged weights, and export.layout "
+                          f"adapter writes the adapter alone; set export.merge=true (or export.layout merged or auto)")
 
 
 GRAPH = Graph([

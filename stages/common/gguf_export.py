@@ -15,7 +15,6 @@ from them), against the export folder's model run by torch in float32, both gree
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.common import onnx_export
 from stages.common.onnx_export import ExportCheckError
 from stages.engine.errors import ConfigError
 
@@ -49,16 +49,12 @@ def check_formats(cfg: PipelineConfig) -> None:
     """Plan time: gguf is asked of a causal LM whose merged weights the export writes, with its extra installed."""
     from stages.common.tasks import task_of
 
-    x = cfg.export
-    if "gguf" not in x.formats:
+    if "gguf" not in cfg.export.formats:
         return
     task = task_of(cfg.model.task)
     if not task.decoder_only:
         raise ConfigError(f"export.formats gguf: model.task {task.name} is not exported to GGUF (Llama-family "
                           f"causal LMs, causal_lm, are: llama.cpp runs decoders); remove gguf from export.formats")
-    if cfg.adapters.method == "lora" and x.layout == "adapter" and not x.merge:
-        raise ConfigError("export.formats gguf: converts merged weights, and export.layout adapter writes the "
-                          "adapter alone; set export.merge=true (or export.layout merged or auto)")
     if missing := missing_extra():
         raise ConfigError(f"export.formats gguf: {missing} not installed; pip install '.[gguf]' "
                           f"(or remove gguf from export.formats)")
@@ -66,7 +62,7 @@ def check_formats(cfg: PipelineConfig) -> None:
 
 def missing_extra() -> str:
     """The distributions of the gguf extra that are not installed ('' when all are)."""
-    return " and ".join(d for m, d in EXTRA.items() if importlib.util.find_spec(m) is None)
+    return onnx_export.missing_extra(EXTRA)
 
 
 def convert(src: Path, dst: Path, kind: str) -> Path:

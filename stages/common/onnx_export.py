@@ -68,17 +68,16 @@ def check_formats(cfg: PipelineConfig) -> None:
         raise ConfigError(f"export.formats onnx: model.task {task.name} is not exported to ONNX (classifiers and "
                           f"seq2seq are); a causal LM is exported as GGUF for llama.cpp (export.formats: [hf, gguf]; "
                           f"docs/export.md); remove onnx from export.formats")
-    if cfg.adapters.method == "lora" and cfg.export.layout == "adapter" and not cfg.export.merge:
-        raise ConfigError("export.formats onnx: exports merged weights, and export.layout adapter writes the "
-                          "adapter alone; set export.merge=true (or export.layout merged or auto)")
     if missing := missing_extra():
         raise ConfigError(f"export.formats onnx: {missing} not installed; pip install '.[onnx]' "
                           f"(or remove onnx from export.formats)")
 
 
-def missing_extra() -> str:
-    """The packages of the onnx extra that are not installed ('' when all are)."""
-    return " and ".join(m for m in EXTRA if importlib.util.find_spec(m) is None)
+def missing_extra(modules: dict[str, str] | None = None) -> str:
+    """The distributions of an extra whose modules are not installed ('' when all are); `modules`: import name ->
+    distribution, the onnx extra's by default."""
+    wanted = modules if modules is not None else {m: m for m in EXTRA}
+    return " and ".join(d for m, d in wanted.items() if importlib.util.find_spec(m) is None)
 
 
 def session(path: Path, threads: int | None = None) -> Any:
