@@ -323,14 +323,14 @@ class Store:
             return sum(f["size"] for f in m["files"])
         return folder_size(self.artifact_dir(stage, key))
 
-    def work_entries(self) -> Iterator[tuple[str, str, Path]]:
-        """(stage, key, folder) of every stage's scratch (.work) left by a run that did not commit."""
+    def work_entries(self) -> Iterator[tuple[str, str, str, int]]:
+        """(stage, key, location, bytes) of every stage's scratch (.work) left by a run that did not commit."""
         work = self.root / ".work"
         if work.is_dir():
             for d in sorted(work.iterdir()):
                 stage, _, key = d.name.rpartition("-")
                 if d.is_dir() and len(key) == 64:
-                    yield stage, key, d
+                    yield stage, key, str(d), folder_size(d)
 
     def remove(self, stage: str, key: str) -> bool:
         """Delete a committed artifact unless a run holds its key (then False: in use, kept)."""
@@ -384,6 +384,8 @@ class Store:
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")
+        if self.refs(pipeline).get(stage) == key:
+            return  # a cached rerun writes nothing
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key
@@ -431,19 +433,19 @@ class Store:
             upstream_digests: dict[str, str] | None = None, force: bool = False, verify: bool = False,
             args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work),
             volatile: tuple[str, ...] = ()) -> Outcome:
-        """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
+        """Return sk's artifact: the store's hit (`lookup`; on a shared store nothing is downloaded), else computed by
         body(*args(tmp_dir, work_dir)) -> metrics (a Lazy body is imported only then) and committed (default:
         body(tmp_dir, work_dir)). tmp_dir becomes the artifact; work_dir persists across crashes until the commit.
         `force`: no lookup at all (nothing is fetched)."""
         upstream_digests = upstream_digests or {}
+        # a hit needs no lock: a committed artifact is whole (its manifest is written last), so runs that share
+        # a stage computed once do not queue on its key; a miss is decided again under the lock
+        if not force and (found := self.lookup(sk, dict(upstream_digests), verify)).hit and found.manifest:
+            return self._cached(sk, pipeline, found.manifest)
         with self.lock(sk.key, sk.stage):
             found = None if force else self.lookup(sk, dict(upstream_digests), verify)
             if found is not None and found.hit and found.manifest is not None:
-                if self.fetch(sk.stage, sk.key, found.manifest) is not None:
-                    self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
-                    return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached",
-                                   found.manifest)
-                found = Lookup(False, "download failed", found.manifest)
+                return self._cached(sk, pipeline, found.manifest)
             reason = "forced" if found is None else found.why
             if found is not None and found.manifest is not None:
                 log.warning("%s: artifact %s: %s; recomputing it under the same key", sk.stage, sk.key[:12], found.why)
@@ -451,6 +453,7 @@ class Store:
                 log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], found.why)
             replaces = found.manifest["digest"] if found is not None and found.manifest else None
             final = self.artifact_dir(sk.stage, sk.key)
+            self.fetch_upstream(sk, upstream_digests)
             self.check_upstream(sk)
             self._clear_tmp(sk)
             tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -481,6 +484,10 @@ class Store:
                            duration_s=manifest["duration_s"], **({"replaces": replaces} if replaces else {}))
             return Outcome(sk.stage, sk.key, final, True, reason, manifest)
 
+    def _cached(self, sk: StageKey, pipeline: str, manifest: dict[str, Any]) -> Outcome:
+        self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
+        return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
+
     # ------------------------------------------------------------ hooks a shared store overrides
     @property
     def local(self) -> Store:
@@ -490,6 +497,30 @@ class Store:
     def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
         """A valid artifact as a local folder (here it already is one)."""
         return self.artifact_dir(stage, key)
+
+    def materialize(self, stage: str, key: str, digest: str | None = None) -> Path | None:
+        """A committed artifact's folder on this machine, its files there (a shared store downloads them
+        now); None when it is not in the store (or, with `digest`, holds other content)."""
+        folder = self.artifact_dir(stage, key)
+        manifest = self.read_manifest(stage, key)
+        if manifest is None or (digest is not None and manifest.get("digest") != digest):
+            return None
+        return folder
+
+    def read_file(self, stage: str, key: str, path: str) -> bytes | None:
+        """One file of a committed artifact (None when absent): a report that needs one file of an artifact
+        (train's metrics.jsonl) reads it without the artifact's other files."""
+        try:
+            return (self.artifact_dir(stage, key) / path).read_bytes()
+        except OSError:
+            return None
+
+    def fetch_upstream(self, sk: StageKey, upstream_digests: dict[str, str]) -> None:
+        """Before a body runs: its upstream artifacts' files on this machine (here they are)."""
+
+    def transfers(self) -> dict[str, int] | None:
+        """Requests and bytes to and from a shared store so far in this process (None: a local store)."""
+        return None
 
     def publish(self, stage: str, key: str) -> None:
         """Make a freshly committed local artifact visible to other machines (here it already is)."""
