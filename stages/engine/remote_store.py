@@ -153,14 +153,15 @@ class RemoteStore(Store):
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
+    def checked(self, stage: str, key: str, verify: bool = False, memo: bool = False) \
+            -> tuple[list[str], dict[str, Any] | None]:
         """The hit rule's checks from the manifest and one listing of the artifact's files (their sizes):
         nothing is downloaded unless `verify` (then every file, to check its sha256)."""
         manifest = self.read_manifest(stage, key)
         if manifest is None:
-            return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"]
+            return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"], None
         if bad := manifest_problems(manifest, stage, key):
-            return bad
+            return bad, None
         sizes = self._sizes(stage, key)
         out = []
         for f in manifest.get("files", []):
@@ -172,7 +173,7 @@ class RemoteStore(Store):
         if verify and not out:
             local = self.fetch(stage, key, manifest)
             out = self.local.problems(stage, key, verify=True) if local else ["download failed"]
-        return out
+        return out, manifest
 
     def _sizes(self, stage: str, key: str) -> dict[str, int]:
         """{relative path: size} of the artifact's files on the shared store: one listing request."""

@@ -279,14 +279,19 @@ class Store:
     def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
         """Why this artifact is not a valid cache entry ([] when it is). verify: every file's sha256 too,
         read in full, or (memo) through the hash memo, which rereads a file whose stat fields changed."""
+        return self.checked(stage, key, verify, memo)[0]
+
+    def checked(self, stage: str, key: str, verify: bool = False, memo: bool = False) \
+            -> tuple[list[str], dict[str, Any] | None]:
+        """`problems`, and the manifest they were checked against (None when it is unusable)."""
         folder = self.artifact_dir(stage, key)
         if not folder.is_dir():
-            return ["not in store"]
+            return ["not in store"], None
         manifest = self.read_manifest(stage, key)
         if manifest is None:
-            return ["manifest.json missing or unreadable"]
+            return ["manifest.json missing or unreadable"], None
         if bad := manifest_problems(manifest, stage, key):
-            return bad
+            return bad, None
         out = []
         for f in manifest.get("files", []):
             p = folder / f["path"]
@@ -296,7 +301,7 @@ class Store:
                 out.append(f"{f['path']}: size {p.stat().st_size} != {f['size']}")
             elif verify and (self.hashes().sha256(p) if memo else file_sha256(p)) != f["sha256"]:
                 out.append(f"{f['path']}: sha256 mismatch")
-        return out
+        return out, manifest
 
     def entries(self) -> Iterator[tuple[str, str, Path]]:
         """(stage, key, folder) for every committed artifact folder."""
@@ -416,12 +421,9 @@ class Store:
         """The hit rule (module docstring), decided from the manifest and the file checks; nothing is
         downloaded. `upstream_digests`: each upstream's content digest, None where it is not known yet
         (an upstream that will compute first: then rule 3 is the run's to check)."""
-        problems = self.problems(sk.stage, sk.key, verify=verify)
-        if problems:
-            return Lookup(False, "; ".join(problems))
-        manifest = self.read_manifest(sk.stage, sk.key)
-        if manifest is None:  # removed between the two reads
-            return Lookup(False, "not in store")
+        problems, manifest = self.checked(sk.stage, sk.key, verify=verify)
+        if problems or manifest is None:
+            return Lookup(False, "; ".join(problems) or "not in store")
         for name, digest in upstream_digests.items():
             recorded = (manifest["upstream"].get(name) or {}).get("digest")
             if digest is not None and recorded != digest:
