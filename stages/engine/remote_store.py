@@ -230,10 +230,19 @@ class RemoteStore(Store):
                 sizes[stage, key] = sizes.get((stage, key), 0) + int(info.get("size") or 0)
         for (stage, key), size in sorted(sizes.items()):
             seen.add((stage, key))
-            yield stage, key, f"{self.url}/.work/{stage}-{key}", size
+            if not self._lease_alive(key):  # a live run's work, wherever it runs, is not even listed
+                yield stage, key, f"{self.url}/.work/{stage}-{key}", size
         for stage, key, location, size in self.local.work_entries():
             if (stage, key) not in seen:
                 yield stage, key, location, size
+
+    def _lease_alive(self, key: str) -> bool:
+        """A run on some machine holds the key's lease and renewed it within its TTL."""
+        try:
+            held = json.loads(self.fs.cat_file(self._r(".locks", f"{key}.lock")))
+        except (OSError, ValueError, FileNotFoundError):
+            return False
+        return time.time() - float(held.get("renewed", 0)) <= float(held.get("ttl_s", 0))
 
     def remove_work(self, stage: str, key: str) -> bool:
         """Delete the key's shared work and this machine's scratch unless a run (here or on any machine whose
