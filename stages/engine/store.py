@@ -442,8 +442,8 @@ class Store:
         upstream_digests = upstream_digests or {}
         # a hit needs no lock: a committed artifact is whole (its manifest is written last), so runs that share
         # a stage computed once do not queue on its key; a miss is decided again under the lock
-        if not force and (found := self.lookup(sk, dict(upstream_digests), verify)).hit and found.manifest:
-            return self._cached(sk, pipeline, found.manifest)
+        if not force and (first := self.lookup(sk, dict(upstream_digests), verify)).hit and first.manifest:
+            return self._cached(sk, pipeline, first.manifest)
         with self.lock(sk.key, sk.stage):
             found = None if force else self.lookup(sk, dict(upstream_digests), verify)
             if found is not None and found.hit and found.manifest is not None:
