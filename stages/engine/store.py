@@ -23,8 +23,9 @@ the artifact under the same key; the new manifest records the digest it replaces
 events.jsonl has the line, so one key never names two contents unrecorded.
 
 `Store` holds the one skeleton (cached -> lock -> compute -> commit -> publish). A shared store on an
-fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and three
-hooks overridden: `fetch` (download a hit), `publish` (upload a commit) and `try_lock` (a lease).
+fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and its hooks
+overridden: `fetch_upstream` (download what a computing stage reads; a hit downloads nothing),
+`materialize` (an artifact's folder a command asks for), `publish` (upload a commit) and `try_lock` (a lease).
 """
 
 from __future__ import annotations
