@@ -88,16 +88,18 @@ def main() -> int:
             bytes_ = moved(folder)
     rows = [["", "", "", "ratio", "load avg 1/5/15 at end"],
             ["4-variant sweep, fresh store", f"1 worker {one:.1f} s", f"2 workers {two:.1f} s",
-             f"{one / two:.2f}x (goal >= 1.7)", f"{load1} | {load2}"],
+             f"{one / two:.2f}x (goal >= 1.7)", f"{load1}; {load2}"],
             ["same sweep all cached, 2 fresh workers", f"local {cached_local:.1f} s", f"s3 {cached_s3:.1f} s",
-             f"{cached_s3 / cached_local:.2f}x (goal <= 1.2)", f"{load4} | {load3}"],
+             f"{cached_s3 / cached_local:.2f}x (goal <= 1.2)", f"{load4}; {load3}"],
             ["cached rerun on s3: what its runs moved", f"{bytes_.get('runs', 0)} runs",
              f"{bytes_.get('get', 0)} GET {human_bytes(bytes_.get('get_bytes', 0))}",
              f"{bytes_.get('put', 0)} PUT {human_bytes(bytes_.get('put_bytes', 0))}, "
              f"{bytes_.get('other', 0)} other requests", "(goal: manifests only, <= 1 MB)"]]
     print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1")
-    for r in rows:
+    for i, r in enumerate(rows):
         print("| " + " | ".join(r) + " |")
+        if i == 0:
+            print("|" + "---|" * len(r))
     return 0
 
 
