@@ -3,19 +3,22 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
 
     1 vs 2 workers    a 4-variant tiny-imdb sweep (`flows.sweep --on-workers --parallel 4`, train.lr x 4,
                       one torch thread per worker) on a fresh store: wall time, and the ratio
-    s3 vs local       the same sweep rerun fully cached on 2 workers, store on s3:// vs a local path
-                      (both workers on this computer see it): wall time, and the ratio
+    s3 vs local       the same sweep rerun fully cached on 2 fresh workers (empty local caches), store on
+                      s3:// vs a local path (both workers on this computer see it): wall time, the ratio,
+                      and what the cached rerun's runs moved to and from S3 (their run records' `transfers`:
+                      GET/PUT requests and bytes; lazy fetch: manifests only)
 
     .venv/bin/python bench/scale_out.py [--work DIR]
 
-Goals (issue 22): >= 1.7x for 2 workers on 2 free cores; <= 1.2x for the cached rerun on s3. The load
-average is printed beside the numbers: on a shared machine the first ratio is bounded by the cores
-the other jobs leave.
+Goals (issue 31): >= 1.7x for 2 workers on 2 free cores; <= 1.2x for the cached rerun on s3; <= 1 MB moved by
+the cached rerun. `uptime`'s load averages (1, 5, 15 min) are printed beside each timing: on a shared
+machine the first ratio is bounded by the cores the other jobs leave; rerun when the load is above 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -29,18 +32,36 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from cluster import base_env, machines, orchestrator, run  # noqa: E402
 from s3server import moto_server, s3_env  # noqa: E402
 
+from stages.engine.units import human_bytes  # noqa: E402
+
 SWEEP = ["-m", "flows.sweep", "tiny-imdb", "--grid", "train.lr=1e-3,7e-4,5e-4,3e-4",
          "--set", "data.subset={train: 96, validation: 8, test: 8}", "--parallel", "4", "--on-workers"]
 
 
-def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str]) -> float:
-    """Wall time of the sweep with these workers on this store (a fresh machine folder each)."""
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str]) -> tuple[float, str, Path]:
+    """Wall time of the sweep with these workers on this store (a fresh machine folder each), the load
+    average at its end, and the folder of its machines."""
     folder = tmp / f"{uuid.uuid4().hex[:6]}"
     with machines({**env, "FINETUNE_STORE": store}, folder, *workers):
         t0 = time.perf_counter()
         run([sys.executable, *SWEEP], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
             timeout=1800)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, load(), folder
+
+
+def moved(folder: Path) -> dict[str, int]:
+    """The transfers of every run the workers in `folder` ran (their run records), summed."""
+    total: dict[str, int] = {}
+    runs = list(folder.glob("*/cache/*/runs/*.json"))
+    for f in runs:
+        for k, v in (json.loads(f.read_text()).get("transfers") or {}).items():
+            total[k] = total.get(k, 0) + v
+    total["runs"] = len(runs)
+    return total
 
 
 def main() -> int:
@@ -49,6 +70,7 @@ def main() -> int:
     args = p.parse_args()
     tmp = args.work or Path(tempfile.mkdtemp(prefix="scale-out-"))
     tmp.mkdir(parents=True, exist_ok=True)
+    print(f"load before: {load()}", flush=True)
     with moto_server() as endpoint:
         os.environ.update(s3_env(endpoint))
         import s3fs
@@ -56,21 +78,28 @@ def main() -> int:
         s3fs.S3FileSystem().mkdir("bench")
         s3, local = f"s3://bench/{uuid.uuid4().hex[:8]}", str(tmp / "local-store")
         with orchestrator(base_env(tmp, s3), tmp, ["tiny-imdb"]) as env:
-            rows = []
-            one = sweep(env, tmp, f"s3://bench/{uuid.uuid4().hex[:8]}", ["a"])
-            load1 = os.getloadavg()[0]
-            two = sweep(env, tmp, s3, ["a", "b"])
-            load2 = os.getloadavg()[0]
-            rows.append(("4-variant sweep, fresh store", f"1 worker {one:.1f} s", f"2 workers {two:.1f} s",
-                         f"{one / two:.2f}x (goal >= 1.7)", f"load {load1:.1f} / {load2:.1f}"))
+            one, load1, _ = sweep(env, tmp, f"s3://bench/{uuid.uuid4().hex[:8]}", ["a"])
+            print(f"1 worker: {one:.1f} s (load {load1})", flush=True)
+            two, load2, _ = sweep(env, tmp, s3, ["a", "b"])
+            print(f"2 workers: {two:.1f} s (load {load2})", flush=True)
             sweep(env, tmp, local, ["a", "b"])  # fill the local store
-            cached_s3 = sweep(env, tmp, s3, ["a", "b"])
-            cached_local = sweep(env, tmp, local, ["a", "b"])
-            rows.append(("same sweep, all cached, 2 workers", f"local {cached_local:.1f} s", f"s3 {cached_s3:.1f} s",
-                         f"{cached_s3 / cached_local:.2f}x (goal <= 1.2)", f"load {os.getloadavg()[0]:.1f}"))
+            cached_s3, load3, folder = sweep(env, tmp, s3, ["a", "b"])
+            cached_local, load4, _ = sweep(env, tmp, local, ["a", "b"])
+            bytes_ = moved(folder)
+    rows = [["", "", "", "ratio", "load avg 1/5/15 at end"],
+            ["4-variant sweep, fresh store", f"1 worker {one:.1f} s", f"2 workers {two:.1f} s",
+             f"{one / two:.2f}x (goal >= 1.7)", f"{load1}; {load2}"],
+            ["same sweep all cached, 2 fresh workers", f"local {cached_local:.1f} s", f"s3 {cached_s3:.1f} s",
+             f"{cached_s3 / cached_local:.2f}x (goal <= 1.2)", f"{load4}; {load3}"],
+            ["cached rerun on s3: what its runs moved", f"{bytes_.get('runs', 0)} runs",
+             f"{bytes_.get('get', 0)} GET {human_bytes(bytes_.get('get_bytes', 0))}",
+             f"{bytes_.get('put', 0)} PUT {human_bytes(bytes_.get('put_bytes', 0))}, "
+             f"{bytes_.get('other', 0)} other requests", "(goal: manifests only, <= 1 MB)"]]
     print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1")
-    for r in rows:
-        print(" | ".join(f"{c:<34}" if i == 0 else c for i, c in enumerate(r)))
+    for i, r in enumerate(rows):
+        print("| " + " | ".join(r) + " |")
+        if i == 0:
+            print("|" + "---|" * len(r))
     return 0
 
 

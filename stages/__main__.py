@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                           verify=args.verify)
         setup_logging()
         print(f"pipeline {plan.cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)
-        execute(plan, store, on_outcome=lambda o: print(describe(o), flush=True))
+        execute(plan, store, on_outcome=lambda o: print(describe(o), flush=True), on_end=print)
         return 0
     return failed.code
 

@@ -72,5 +72,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
                 run.fail(state.message or "failed")
                 return Failed(message=f"stage {item.name}: {state.message}")
             print(describe(run.finished(cast(Outcome, state.result()))))
+    if line := run.transfer_line():
+        print(line)
     return [{"stage": o.stage, "key": o.key, "path": str(o.path), "computed": o.computed,
              "state": states[o.stage].name, "duration_s": o.manifest.get("duration_s")} for o in run.outcomes]

@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.inspect") -
         if s.status != CACHED:
             print(f"note: {s.stage} is stale ({'; '.join(s.reasons)}); showing the artifact it would replace",
                   file=sys.stderr)
-        if args.command == "path":
-            print(s.path)
+        if args.command == "path":  # a folder here: on a shared store, downloaded into the local cache
+            print(store.materialize(s.stage, s.artifact_key or s.key) or s.path)
         else:
             print(json.dumps(store.read_manifest(s.stage, s.artifact_key or s.key), indent=2, sort_keys=True))
         return 0

@@ -197,7 +197,11 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
         why = "; ".join(st.reasons) or st.status
         raise MissingInputError(f"{cfg.name}: no current export ({st.status}: {why}); make it with: "
                                 f"{finetune_command(cfg, config)}")
-    return Path(st.path)
+    folder = store.materialize("export", st.artifact_key or st.key)  # on a shared store: downloaded here
+    if folder is None:
+        raise MissingInputError(f"{cfg.name}: the export {st.key[:12]} could not be read from the store {store}; "
+                                f"make it again with: {finetune_command(cfg, config)} --force export")
+    return folder
 
 
 # ---------------------------------------------------------------- output

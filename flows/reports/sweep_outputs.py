@@ -9,7 +9,7 @@ from pathlib import Path
 
 from flows.reports.comparison import Comparison, is_share, pm, render, runs_csv
 from flows.reports.formatting import inline_png
-from flows.reports.train_history import read_history, train_losses
+from flows.reports.train_history import stored_history, train_losses
 from flows.reports.variants import sweep_dir
 from stages.engine.store import Store
 
@@ -47,7 +47,7 @@ def plot(c: Comparison, store: Store, out: Path) -> None:
         for r in v.runs:
             if "train" in r.keys:
                 curve = [(p["step"], p["loss"]) for p in
-                         train_losses(read_history(store.artifact_dir("train", r.keys["train"])))]
+                         train_losses(stored_history(store, r.keys["train"]))]
                 if curve:
                     ax2.plot(*zip(*curve, strict=True), color=color, alpha=0.7, linewidth=1,
                              label=v.variant if r is v.runs[0] else None)

@@ -8,8 +8,13 @@ cache. Same layout and manifest as the local store; what changes is how the guar
 - Lock: a local flock (processes on this machine) plus a lease object `<root>/.locks/<key>.lock`
   (see `stages.engine.lease`): created only if absent (S3's `If-None-Match: *`), renewed by a heartbeat
   while its holder lives, taken over once not renewed for its TTL (a dead holder).
-- Stages need local folders: artifacts are downloaded once into a local cache
-  ($FINETUNE_CACHE, default ~/.cache/finetune/<hash of the URL>), verified by size, and handed on.
+- Lazy fetch: a hit is decided from the manifest and one listing of the artifact's files (their sizes);
+  nothing of its payload is downloaded. Its files are downloaded into the local cache ($FINETUNE_CACHE,
+  default ~/.cache/finetune/<hash of the URL>), verified by size, only when a stage that computes reads
+  them (`fetch_upstream`) or a command asks for the folder (`materialize`): a fully cached run moves
+  manifests only. A folder already in the local cache with the same manifest is not downloaded again.
+- Every request is counted (`transfers`: GETs, PUTs, other requests and bytes each way); a run reports
+  what it moved in its last line and its run record.
 - events.jsonl cannot be appended to on an object store: one small JSON object per event instead.
 
 `file://` URLs use the local store (rename + flock keep their full strength there). `RemoteStore` is a
@@ -25,6 +30,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,14 +40,76 @@ from typing import Any
 import fsspec
 
 from stages.engine.config import store_root
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, CorruptArtifactError
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import KeysLease, Lease
 from stages.engine.names import name_problem
 from stages.engine.paths import cache_dir
-from stages.engine.store import MANIFEST, Store, log, manifest_problems, now_iso
+from stages.engine.store import MANIFEST, StageKey, Store, log, manifest_problems, now_iso
 
 POLL_S = 0.5
+
+
+class Transfers:
+    """Requests to the shared store and the bytes they moved, counted by `CountingFS` (thread-safe: the
+    lease heartbeats count too)."""
+
+    FIELDS = ("get", "get_bytes", "put", "put_bytes", "other")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **delta: int) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                self.counts[k] += v
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+class CountingFS:
+    """An fsspec filesystem whose calls are counted: a download (cat_file, get_file) is a GET with its bytes,
+    an upload (pipe_file, put_file) a PUT with its bytes, any other call (info, ls, find, rm...) one request."""
+
+    GETS = ("cat_file", "cat", "get_file")
+    PUTS = ("pipe_file", "put_file")
+    PASS = ("invalidate_cache", "protocol", "sep", "root_marker")
+
+    def __init__(self, fs: Any, transfers: Transfers):
+        self._fs, self.transfers = fs, transfers
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr) or name.startswith("_") or name in self.PASS:
+            return attr
+        count = self.transfers.add
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            if name in ("cat_file", "cat"):
+                count(get=1, get_bytes=len(out) if isinstance(out, bytes) else 0)
+            elif name == "get_file":
+                count(get=1, get_bytes=_size(args[1] if len(args) > 1 else kwargs.get("lpath")))
+            elif name == "pipe_file":
+                data = args[1] if len(args) > 1 else kwargs.get("value", b"")
+                count(put=1, put_bytes=len(data))
+            elif name == "put_file":
+                count(put=1, put_bytes=_size(args[0] if args else kwargs.get("lpath")))
+            else:
+                count(other=1)
+            return out
+
+        return counted
+
+
+def _size(path: Any) -> int:
+    try:
+        return os.path.getsize(path)
+    except (OSError, TypeError):
+        return 0
 
 
 class RemoteStore(Store):
@@ -49,7 +117,9 @@ class RemoteStore(Store):
 
     def __init__(self, url: str, cache: Path | None = None):
         self.url = url.rstrip("/")
-        self.fs, self.base = fsspec.core.url_to_fs(self.url)
+        fs, self.base = fsspec.core.url_to_fs(self.url)
+        self._transfers = Transfers()
+        self.fs: Any = CountingFS(fs, self._transfers)
         super().__init__((cache or cache_dir()) / sha256_text(self.url)[:16])
         self._cache = Store(self.root)
 
@@ -66,6 +136,9 @@ class RemoteStore(Store):
     def location(self, stage: str, key: str) -> str:
         return f"{self.url}/{stage}/{key}"
 
+    def transfers(self) -> dict[str, int] | None:
+        return self._transfers.snapshot()
+
     def exists(self) -> bool:
         return True  # an empty bucket is an empty store
 
@@ -80,25 +153,35 @@ class RemoteStore(Store):
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
+    def checked(self, stage: str, key: str, verify: bool = False, memo: bool = False) \
+            -> tuple[list[str], dict[str, Any] | None]:
+        """The hit rule's checks from the manifest and one listing of the artifact's files (their sizes):
+        nothing is downloaded unless `verify` (then every file, to check its sha256)."""
         manifest = self.read_manifest(stage, key)
         if manifest is None:
-            return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"]
+            return ["not in store" if not self.fs.exists(self._r(stage, key)) else "manifest.json missing"], None
         if bad := manifest_problems(manifest, stage, key):
-            return bad
+            return bad, None
+        sizes = self._sizes(stage, key)
         out = []
         for f in manifest.get("files", []):
-            try:
-                size = self.fs.size(self._r(stage, key, f["path"]))
-            except FileNotFoundError:
+            size = sizes.get(f["path"])
+            if size is None:
                 out.append(f"{f['path']}: missing")
-                continue
-            if size != f["size"]:
+            elif size != f["size"]:
                 out.append(f"{f['path']}: size {size} != {f['size']}")
         if verify and not out:
             local = self.fetch(stage, key, manifest)
             out = self.local.problems(stage, key, verify=True) if local else ["download failed"]
-        return out
+        return out, manifest
+
+    def _sizes(self, stage: str, key: str) -> dict[str, int]:
+        """{relative path: size} of the artifact's files on the shared store: one listing request."""
+        remote = self._r(stage, key)
+        self.fs.invalidate_cache(remote)
+        prefix = remote.rstrip("/") + "/"
+        found = self.fs.find(remote, detail=True)
+        return {p[len(prefix):]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(prefix)}
 
     def size(self, stage: str, key: str) -> int:
         m = self.read_manifest(stage, key)
@@ -134,24 +217,97 @@ class RemoteStore(Store):
             shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
             return target
 
+    def work_entries(self) -> Iterator[tuple[str, str, str, int]]:
+        """The shared `.work/<stage>-<key>/` (a run's published checkpoints) and this machine's scratch."""
+        seen = set()
+        work = self._r(".work")
+        self.fs.invalidate_cache(work)
+        sizes: dict[tuple[str, str], int] = {}
+        prefix = work.rstrip("/") + "/"
+        for path, info in (self.fs.find(work, detail=True) if self.fs.exists(work) else {}).items():
+            stage, _, key = path[len(prefix):].split("/", 1)[0].rpartition("-")
+            if len(key) == 64:
+                sizes[stage, key] = sizes.get((stage, key), 0) + int(info.get("size") or 0)
+        for (stage, key), size in sorted(sizes.items()):
+            seen.add((stage, key))
+            if not self._lease_alive(key):  # a live run's work, wherever it runs, is not even listed
+                yield stage, key, f"{self.url}/.work/{stage}-{key}", size
+        for stage, key, location, size in self.local.work_entries():
+            if (stage, key) not in seen:
+                yield stage, key, location, size
+
+    def _lease_alive(self, key: str) -> bool:
+        """A run on some machine holds the key's lease and renewed it within its TTL."""
+        try:
+            held = json.loads(self.fs.cat_file(self._r(".locks", f"{key}.lock")))
+        except (OSError, ValueError, FileNotFoundError):
+            return False
+        return time.time() - float(held.get("renewed", 0)) <= float(held.get("ttl_s", 0))
+
     def remove_work(self, stage: str, key: str) -> bool:
-        return self.local.remove_work(stage, key)  # scratch is local to the machine that computes
+        """Delete the key's shared work and this machine's scratch unless a run (here or on any machine whose
+        lease on the key is alive) holds it."""
+        with self.try_lock(key, what=f"gc work {stage}") as held:
+            if not held:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self._work_url(stage, key), recursive=True)
+            shutil.rmtree(self.work_dir(stage, key), ignore_errors=True)
+            return True
 
     # ------------------------------------------------------------ fetch + publish
     def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
-        """The artifact as a local folder (cached; re-fetched when sizes disagree)."""
+        """The artifact as a local folder (cached; re-fetched when sizes disagree); None when a file cannot
+        be downloaded whole."""
         local = self.artifact_dir(stage, key)
         if not self.local.problems(stage, key) and self.local.read_manifest(stage, key) == manifest:
             return local
         tmp = self.local.root / ".tmp" / f"dl-{stage}-{key}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
-        for f in manifest["files"]:
-            dest = tmp / f["path"]
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            self.fs.get_file(self._r(stage, key, f["path"]), str(dest))
+        try:
+            for f in manifest["files"]:
+                dest = tmp / f["path"]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(self._r(stage, key, f["path"]), str(dest))
+                if dest.stat().st_size != f["size"]:
+                    raise OSError(f"{f['path']}: downloaded {dest.stat().st_size} bytes, the manifest says {f['size']}")
+        except OSError as e:
+            log.warning("%s: artifact %s could not be downloaded: %s", stage, key[:12], e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
         self.local.commit_folder(tmp, local)
         return local
+
+    def materialize(self, stage: str, key: str, digest: str | None = None) -> Path | None:
+        """The local folder of a committed artifact, downloaded unless the local cache has it (with
+        `digest`: that content, known without asking the shared store)."""
+        mine = self.local.read_manifest(stage, key)
+        if digest is not None and mine is not None and mine.get("digest") == digest and \
+                not self.local.problems(stage, key):
+            return self.artifact_dir(stage, key)
+        manifest = self.read_manifest(stage, key)
+        if manifest is None or manifest_problems(manifest, stage, key) or \
+                (digest is not None and manifest.get("digest") != digest):
+            return None
+        return self.fetch(stage, key, manifest)
+
+    def read_file(self, stage: str, key: str, path: str) -> bytes | None:
+        if (here := super().read_file(stage, key, path)) is not None:  # the local copy, when there is one
+            return here
+        try:
+            return self.fs.cat_file(self._r(stage, key, path))
+        except (OSError, FileNotFoundError):
+            return None
+
+    def fetch_upstream(self, sk: StageKey, upstream_digests: dict[str, str]) -> None:
+        """Before a body runs: download its upstream artifacts (what it reads), unless cached here."""
+        for name, key in sk.upstream.items():
+            if self.materialize(name, key, upstream_digests.get(name)) is None:
+                raise CorruptArtifactError(
+                    f"{sk.stage}: its upstream {name} artifact {key[:12]} could not be downloaded from {self.url} "
+                    f"(removed, or its files damaged); nothing was computed. Run again with --verify to recompute "
+                    f"it (finetune inspect verify lists every damaged artifact)")
 
     def publish(self, stage: str, key: str) -> None:
         """A freshly computed local artifact to the shared store, manifest last (the commit marker)."""
@@ -232,6 +388,8 @@ class RemoteStore(Store):
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")
+        if self.refs(pipeline).get(stage) == key:
+            return  # a cached rerun writes nothing
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key

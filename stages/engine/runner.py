@@ -50,6 +50,7 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
         hit = not force and (st.joins or st.precheck) and store.lookup(sk, dict(digests), plan.verify).hit
         # joining another machine's run, unless its artifact is in the store already (nobody there to join)
         if st.joins is not None and (role := st.joins(plan.cfg)) and not hit:
+            store.fetch_upstream(sk, digests)  # the body reads them here, outside the store's run
             return joined_stage(item, store, context, role)
         if st.precheck and not hit:  # about to compute (forced included): e.g. the memory-fit check
             st.precheck(plan.cfg)
@@ -96,7 +97,7 @@ def read_upstream(plan: Plan, store: Store) -> dict[str, Outcome]:
     for item in plan.reads:  # in pipeline order: a stage's upstream is in `done` before the stage
         sk = item.key
         found = store.lookup(sk, {u: done[u].manifest["digest"] for u in item.stage.upstream}, plan.verify)
-        if not found.hit or found.manifest is None or store.fetch(sk.stage, sk.key, found.manifest) is None:
+        if not found.hit or found.manifest is None:  # its files are fetched when the stage computes
             raise MissingInputError(f"--only {plan.steps[0].name}: upstream stage {item.name} is not in the store "
                                     f"for this config ({found.why}); run the whole pipeline first: "
                                     f"{plan.run_command()}")
@@ -123,6 +124,20 @@ class Execution:
                                 [s.name for s in plan.graph if s.reports])
         self.tracking = RunTracking.start(plan.cfg, {"finetune.run_record": self.record.data["id"],
                                                      "finetune.store": str(store), **(tags or {})})
+        self._moved_before = store.transfers()
+
+    def transfers(self) -> dict[str, int] | None:
+        """What this run has moved to and from a shared store so far (None on a local store)."""
+        now, before = self.store.transfers(), self._moved_before
+        return None if now is None or before is None else {k: now[k] - before.get(k, 0) for k in now}
+
+    def transfer_line(self) -> str | None:
+        """The run's closing line on a shared store: its requests and the bytes each way."""
+        moved = self.transfers()
+        if moved is None:
+            return None
+        return (f"store {self.store}: {moved['get']} GET {human_bytes(moved['get_bytes'])}, {moved['put']} PUT "
+                f"{human_bytes(moved['put_bytes'])}, {moved['other']} other requests")
 
     def pending(self) -> Iterator[Planned]:
         for item in self.plan.steps:
@@ -137,6 +152,8 @@ class Execution:
         self.outcomes.append(outcome)
         self.record.stage(outcome)
         if self.tracking is not None:
+            if not outcome.computed and outcome.reason != JOINED:  # tracking logs its files: here, downloaded
+                self.store.materialize(outcome.stage, outcome.key, outcome.manifest.get("digest"))
             self.tracking.stage(self.plan.graph[outcome.stage], outcome)
         self.current = None
         return outcome
@@ -149,6 +166,8 @@ class Execution:
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         self._held.close()
+        if (moved := self.transfers()) is not None:
+            self.record.data["transfers"] = moved
         if err is not None:
             self.record.failed(self.current, err)
         elif not self.failed:
@@ -163,11 +182,15 @@ class Execution:
         self.current, self.failed = None, True
 
 
-def execute(plan: Plan, store: Store, on_outcome: Callable[[Outcome], None] | None = None) -> list[Outcome]:
-    """Run the plan's steps in order through the store (`python -m stages`, tests, the summary)."""
+def execute(plan: Plan, store: Store, on_outcome: Callable[[Outcome], None] | None = None,
+            on_end: Callable[[str], None] | None = None) -> list[Outcome]:
+    """Run the plan's steps in order through the store (`python -m stages`, tests, the summary); `on_end`
+    gets the closing line on a shared store (what the run moved)."""
     with Execution(plan, store) as run:
         for item in run.pending():
             outcome = run.finished(run_step(plan, item, store, run.done))
             if on_outcome:
                 on_outcome(outcome)
+    if on_end and (line := run.transfer_line()):
+        on_end(line)
     return run.outcomes

@@ -298,14 +298,16 @@ def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFA
 
 def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[str, str], str] | None = None) \
         -> list[Garbage]:
-    """Unreachable artifacts, reachable ones the hit rule rejects (`invalid`), and local scratch (.work)
-    of unreachable keys (a reachable key's scratch is a stopped run's checkpoint: kept)."""
+    """Unreachable artifacts, reachable ones the hit rule rejects (`invalid`), and the scratch (.work: this
+    machine's, and on a shared store what runs published there) of unreachable keys that no live run
+    holds (`keep` has the live runs' keys; a reachable key's scratch is a stopped run's checkpoint, which
+    the next run resumes from: kept)."""
     invalid = invalid or {}
     out = [Garbage("artifact", stage, key, store.location(stage, key), store.size(stage, key),
                    note=f"invalid ({invalid[stage, key]}); the next run recomputes it" if (stage, key) in invalid else "")
            for stage, key, _ in store.entries() if (stage, key) not in keep or (stage, key) in invalid]
-    out += [Garbage("work", stage, key, str(folder), folder_size(folder))
-            for stage, key, folder in store.work_entries() if (stage, key) not in keep]
+    out += [Garbage("work", stage, key, location, size)
+            for stage, key, location, size in store.work_entries() if (stage, key) not in keep]
     out += [Garbage("tmp", m.group("stage") if (m := TMP_NAME.fullmatch(d.name)) else "-",
                     m.group("key") if m else d.name, str(d), folder_size(d),
                     note="a dead run's temporary folder") for d in store.local.dead_tmp()]

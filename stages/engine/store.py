@@ -23,8 +23,9 @@ the artifact under the same key; the new manifest records the digest it replaces
 events.jsonl has the line, so one key never names two contents unrecorded.
 
 `Store` holds the one skeleton (cached -> lock -> compute -> commit -> publish). A shared store on an
-fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and three
-hooks overridden: `fetch` (download a hit), `publish` (upload a commit) and `try_lock` (a lease).
+fsspec URL (`remote_store.RemoteStore`) is the same class with its reads pointed at the URL and its hooks
+overridden: `fetch_upstream` (download what a computing stage reads; a hit downloads nothing),
+`materialize` (an artifact's folder a command asks for), `publish` (upload a commit) and `try_lock` (a lease).
 """
 
 from __future__ import annotations
@@ -290,14 +291,19 @@ class Store:
     def problems(self, stage: str, key: str, verify: bool = False, memo: bool = False) -> list[str]:
         """Why this artifact is not a valid cache entry ([] when it is). verify: every file's sha256 too,
         read in full, or (memo) through the hash memo, which rereads a file whose stat fields changed."""
+        return self.checked(stage, key, verify, memo)[0]
+
+    def checked(self, stage: str, key: str, verify: bool = False, memo: bool = False) \
+            -> tuple[list[str], dict[str, Any] | None]:
+        """`problems`, and the manifest they were checked against (None when it is unusable)."""
         folder = self.artifact_dir(stage, key)
         if not folder.is_dir():
-            return ["not in store"]
+            return ["not in store"], None
         manifest = self.read_manifest(stage, key)
         if manifest is None:
-            return ["manifest.json missing or unreadable"]
+            return ["manifest.json missing or unreadable"], None
         if bad := manifest_problems(manifest, stage, key):
-            return bad
+            return bad, None
         out = []
         for f in manifest.get("files", []):
             p = folder / f["path"]
@@ -307,7 +313,7 @@ class Store:
                 out.append(f"{f['path']}: size {p.stat().st_size} != {f['size']}")
             elif verify and (self.hashes().sha256(p) if memo else file_sha256(p)) != f["sha256"]:
                 out.append(f"{f['path']}: sha256 mismatch")
-        return out
+        return out, manifest
 
     def entries(self) -> Iterator[tuple[str, str, Path]]:
         """(stage, key, folder) for every committed artifact folder."""
@@ -334,14 +340,14 @@ class Store:
             return sum(f["size"] for f in m["files"])
         return folder_size(self.artifact_dir(stage, key))
 
-    def work_entries(self) -> Iterator[tuple[str, str, Path]]:
-        """(stage, key, folder) of every stage's scratch (.work) left by a run that did not commit."""
+    def work_entries(self) -> Iterator[tuple[str, str, str, int]]:
+        """(stage, key, location, bytes) of every stage's scratch (.work) left by a run that did not commit."""
         work = self.root / ".work"
         if work.is_dir():
             for d in sorted(work.iterdir()):
                 stage, _, key = d.name.rpartition("-")
                 if d.is_dir() and len(key) == 64:
-                    yield stage, key, d
+                    yield stage, key, str(d), folder_size(d)
 
     def remove(self, stage: str, key: str) -> bool:
         """Delete a committed artifact unless a run holds its key (then False: in use, kept)."""
@@ -395,6 +401,8 @@ class Store:
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")
+        if self.refs(pipeline).get(stage) == key:
+            return  # a cached rerun writes nothing
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key
@@ -425,12 +433,9 @@ class Store:
         """The hit rule (module docstring), decided from the manifest and the file checks; nothing is
         downloaded. `upstream_digests`: each upstream's content digest, None where it is not known yet
         (an upstream that will compute first: then rule 3 is the run's to check)."""
-        problems = self.problems(sk.stage, sk.key, verify=verify)
-        if problems:
-            return Lookup(False, "; ".join(problems))
-        manifest = self.read_manifest(sk.stage, sk.key)
-        if manifest is None:  # removed between the two reads
-            return Lookup(False, "not in store")
+        problems, manifest = self.checked(sk.stage, sk.key, verify=verify)
+        if problems or manifest is None:
+            return Lookup(False, "; ".join(problems) or "not in store")
         for name, digest in upstream_digests.items():
             recorded = (manifest["upstream"].get(name) or {}).get("digest")
             if digest is not None and recorded != digest:
@@ -442,19 +447,19 @@ class Store:
             upstream_digests: dict[str, str] | None = None, force: bool = False, verify: bool = False,
             args: Callable[[Path, Path], tuple[Any, ...]] = lambda out, work: (out, work),
             volatile: tuple[str, ...] = ()) -> Outcome:
-        """Return sk's artifact: the store's hit (`lookup`, fetched to a local folder), else computed by
+        """Return sk's artifact: the store's hit (`lookup`; on a shared store nothing is downloaded), else computed by
         body(*args(tmp_dir, work_dir)) -> metrics (a Lazy body is imported only then) and committed (default:
         body(tmp_dir, work_dir)). tmp_dir becomes the artifact; work_dir persists across crashes until the commit.
         `force`: no lookup at all (nothing is fetched)."""
         upstream_digests = upstream_digests or {}
+        # a hit needs no lock: a committed artifact is whole (its manifest is written last), so runs that share
+        # a stage computed once do not queue on its key; a miss is decided again under the lock
+        if not force and (first := self.lookup(sk, dict(upstream_digests), verify)).hit and first.manifest:
+            return self._cached(sk, pipeline, first.manifest)
         with self.lock(sk.key, sk.stage):
             found = None if force else self.lookup(sk, dict(upstream_digests), verify)
             if found is not None and found.hit and found.manifest is not None:
-                if self.fetch(sk.stage, sk.key, found.manifest) is not None:
-                    self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
-                    return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached",
-                                   found.manifest)
-                found = Lookup(False, "download failed", found.manifest)
+                return self._cached(sk, pipeline, found.manifest)
             reason = "forced" if found is None else found.why
             if found is not None and found.manifest is not None:
                 log.warning("%s: artifact %s: %s; recomputing it under the same key", sk.stage, sk.key[:12], found.why)
@@ -462,6 +467,7 @@ class Store:
                 log.warning("%s: artifact %s is invalid (%s); recomputing", sk.stage, sk.key[:12], found.why)
             replaces = found.manifest["digest"] if found is not None and found.manifest else None
             final = self.artifact_dir(sk.stage, sk.key)
+            self.fetch_upstream(sk, upstream_digests)
             self.check_upstream(sk)
             self._clear_tmp(sk)
             tmp = self.root / ".tmp" / f"{sk.stage}-{sk.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -492,6 +498,10 @@ class Store:
                            duration_s=manifest["duration_s"], **({"replaces": replaces} if replaces else {}))
             return Outcome(sk.stage, sk.key, final, True, reason, manifest)
 
+    def _cached(self, sk: StageKey, pipeline: str, manifest: dict[str, Any]) -> Outcome:
+        self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="cached")
+        return Outcome(sk.stage, sk.key, self.artifact_dir(sk.stage, sk.key), False, "cached", manifest)
+
     # ------------------------------------------------------------ hooks a shared store overrides
     @property
     def local(self) -> Store:
@@ -501,6 +511,30 @@ class Store:
     def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
         """A valid artifact as a local folder (here it already is one)."""
         return self.artifact_dir(stage, key)
+
+    def materialize(self, stage: str, key: str, digest: str | None = None) -> Path | None:
+        """A committed artifact's folder on this machine, its files there (a shared store downloads them
+        now); None when it is not in the store (or, with `digest`, holds other content)."""
+        folder = self.artifact_dir(stage, key)
+        manifest = self.read_manifest(stage, key)
+        if manifest is None or (digest is not None and manifest.get("digest") != digest):
+            return None
+        return folder
+
+    def read_file(self, stage: str, key: str, path: str) -> bytes | None:
+        """One file of a committed artifact (None when absent): a report that needs one file of an artifact
+        (train's metrics.jsonl) reads it without the artifact's other files."""
+        try:
+            return (self.artifact_dir(stage, key) / path).read_bytes()
+        except OSError:
+            return None
+
+    def fetch_upstream(self, sk: StageKey, upstream_digests: dict[str, str]) -> None:
+        """Before a body runs: its upstream artifacts' files on this machine (here they are)."""
+
+    def transfers(self) -> dict[str, int] | None:
+        """Requests and bytes to and from a shared store so far in this process (None: a local store)."""
+        return None
 
     def publish(self, stage: str, key: str) -> None:
         """Make a freshly committed local artifact visible to other machines (here it already is)."""

@@ -4,9 +4,15 @@ run's registration protects nothing; on a shared store the registration is a lea
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import helpers
 import pytest
@@ -14,9 +20,10 @@ from helpers import needs_shared_data, spawn
 
 from stages.engine.remote_store import open_store
 from stages.engine.status import gc
-from stages.engine.store import Store
+from stages.engine.store import StageKey, Store
 from stages.graph import GRAPH
 
+ROOT = Path(__file__).resolve().parents[2]
 VARIANT = ["tiny-imdb", "--set", "train.lr=3e-3", "--set", "data.subset={train: 64, validation: 16, test: 16}"]
 
 
@@ -79,3 +86,57 @@ def test_an_artifact_younger_than_min_age_is_listed_and_kept(store_dir):
     assert [(g.stage, g.young, g.removed, g.note) for g in young] == [
         ("data", True, False, "newer than 10 min; kept (--min-age)")]
     assert [(g.stage, g.removed) for g in gc(store, GRAPH, force=True, keep_refs=False)] == [("data", True)]
+
+
+# A machine computing a train key: it publishes a checkpoint to the shared store's .work/, then holds the key
+# (its lease renewed by the heartbeat) until it is killed.
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from stages.engine.remote_store import RemoteStore
+    from stages.engine.store import StageKey, work_saved
+    store = RemoteStore(sys.argv[1], cache=Path(sys.argv[2]))
+    def body(out, work):
+        ck = work / "checkpoints" / "step-1"
+        ck.mkdir(parents=True)
+        (ck / "weights").write_bytes(b"w" * 5000)
+        (ck / "progress.json").write_text('{"step": 1}')
+        work_saved(ck)
+        print("saved", flush=True)
+        time.sleep(600)
+    store.run(StageKey("train", {"lr": sys.argv[3]}, {}, {}, "code", (), {}), body, pipeline="p", config={})
+""")
+
+
+@needs_shared_data
+def test_gc_on_a_shared_store_takes_a_dead_runs_work_and_never_a_live_ones(s3_endpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_LEASE_TTL_S", "2")
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "gc-machine"))
+    url = f"s3://finetune-test/gc-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    holders = {who: subprocess.Popen([sys.executable, "-c", HOLDER, url, str(tmp_path / who), who], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, text=True) for who in ("dead", "live")}
+    try:
+        for p in holders.values():
+            assert p.stdout.readline().strip() == "saved"
+        os.kill(holders["dead"].pid, signal.SIGKILL)
+        holders["dead"].wait()
+        time.sleep(3)  # past the dead holder's TTL: its lease has expired; the live one's is renewed
+        store = open_store(url)
+        key = {who: StageKey("train", {"lr": who}, {}, {}, "code", (), {}).key for who in holders}
+        listed = [(g.kind, g.key, g.path, g.size_bytes) for g in gc(store, GRAPH, keep_refs=False)
+                  if g.kind == "work"]
+        assert listed == [("work", key["dead"], f"{url}/.work/train-{key['dead']}", 5000 + 11 + len(
+            store.fs.cat_file(store._r(".work", f"train-{key['dead']}", "latest.json"))))]
+        removed = [(g.key, g.removed) for g in gc(store, GRAPH, force=True, keep_refs=False) if g.kind == "work"]
+        assert removed == [(key["dead"], True)]
+        assert not store.fs.exists(store._r(".work", f"train-{key['dead']}"))
+        store.fs.invalidate_cache()
+        live = store.fs.find(store._r(".work", f"train-{key['live']}"))
+        assert sorted(p.rsplit("/", 1)[-1] for p in live) == ["latest.json", "progress.json", "weights"]
+        assert holders["live"].poll() is None  # still computing, its work untouched
+    finally:
+        for p in holders.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()

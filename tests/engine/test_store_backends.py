@@ -4,11 +4,14 @@ s3:// on a real S3 API (moto's server on 127.0.0.1): the shared-store path, uplo
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
-from helpers import computed, needs_shared_data, run
+from helpers import computed, needs_shared_data, run, run_pipeline
 
+from stages.engine.config import load_pipeline
 from stages.engine.remote_store import RemoteStore, open_store
+from stages.engine.runs import read_runs, records_root
 from stages.engine.store import Store
 
 pytestmark = needs_shared_data
@@ -96,5 +99,53 @@ def test_second_machine_reuses_the_shared_store(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "machine-b"))
     again = runs()
     assert computed(again) == set()
-    assert str(again["tokenize"].path).startswith(str(tmp_path / "machine-b"))  # downloaded, local to b
-    assert (again["tokenize"].path / "dataset").is_dir()
+    assert str(again["tokenize"].path).startswith(str(tmp_path / "machine-b"))  # its folder on b...
+    assert not again["tokenize"].path.exists()  # ...where nothing is downloaded until something reads it
+    folder = open_store().materialize("tokenize", again["tokenize"].key)  # a command asks for it: fetched
+    assert folder == again["tokenize"].path and (folder / "dataset").is_dir()
+
+
+def payload(cache: Path) -> list[Path]:
+    """The artifact files in a machine's local cache (<hash>/<stage>/<key>/...)."""
+    return [p for p in cache.glob("*/*/*/**/*") if p.is_file() and len(p.parts[len(cache.parts) + 2]) == 64
+            and not p.parts[len(cache.parts) + 1].startswith(".")]
+
+
+def test_on_s3_a_cached_run_on_a_fresh_worker_downloads_no_payload(s3_endpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_STORE", f"s3://finetune-test/lazy-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "a"))
+    first = runs()
+    store = open_store()
+    manifests = sum(len(store.fs.cat_file(store._r(s, o.key, "manifest.json"))) for s, o in first.items())
+    size = sum(f["size"] for o in first.values() for f in o.manifest["files"])
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "b"))  # another worker: an empty local cache
+    fresh = open_store()
+    outcomes = run_pipeline(load_pipeline("tiny-imdb", list(SMALL)), fresh, until="tokenize")
+    assert [o.computed for o in outcomes] == [False, False]
+    assert payload(tmp_path / "b") == []
+    moved = read_runs(records_root(fresh))[-1]["transfers"]
+    refs = len(store.fs.cat_file(store._r("refs", "tiny-imdb.json")))
+    # what it read: each stage's manifest once, the refs it checks (a cached rerun writes none) and its own
+    # two leases (the gc lock's, its plan's) before deleting them: a few hundred bytes
+    assert 0 <= moved["get_bytes"] - (manifests + len(first) * refs) < 1000, (moved, manifests, refs)
+    assert moved["get_bytes"] < size / 10 and moved["put"] == 2 + len(first)  # leases of the run, events
+
+
+def test_on_s3_a_compute_downloads_exactly_its_upstream_files(s3_endpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_STORE", f"s3://finetune-test/lazy-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "a"))
+    first = runs()
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "b"))
+    fresh = open_store()
+    outcomes = {o.stage: o for o in run_pipeline(load_pipeline("tiny-imdb", list(SMALL)), fresh, until="tokenize",
+                                                  force=["tokenize"])}
+    assert not outcomes["data"].computed and outcomes["tokenize"].computed
+    data = first["data"]
+    got = sorted(str(p.relative_to(tmp_path / "b")) for p in payload(tmp_path / "b") if "/data/" in str(p))
+    want = sorted(f"{fresh.root.name}/data/{data.key}/{f}" for f in [x["path"] for x in data.manifest["files"]]
+                  + ["manifest.json"])
+    assert got == want  # its upstream, whole; the forced stage's own old files never
+    moved = read_runs(records_root(fresh))[-1]["transfers"]
+    data_bytes = sum(f["size"] for f in data.manifest["files"])
+    assert data_bytes <= moved["get_bytes"] < data_bytes + 64_000, (moved, data_bytes)
+    assert moved["put_bytes"] >= sum(f["size"] for f in outcomes["tokenize"].manifest["files"])
