@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.common import onnx_export
+from stages.common.inference import stop_set
 from stages.common.onnx_export import ExportCheckError
 from stages.engine.errors import ConfigError
 
@@ -180,8 +181,7 @@ def stop_ids(src: Path, tok: Any) -> set[int]:
         eos = transformers.GenerationConfig.from_pretrained(str(src)).eos_token_id
     except OSError:
         eos = None
-    eos = tok.eos_token_id if eos is None else eos
-    return set(eos if isinstance(eos, list) else [eos]) - {None}
+    return stop_set(tok.eos_token_id if eos is None else eos)
 
 
 def export_checked(src: Path, out: Path, tokenized: Path, splits: Sequence[str], kinds: Sequence[str],
@@ -278,7 +278,7 @@ class LlamaCppLM:
                               f"asked for (--num-beams or the export's generation_config.json); give --runtime torch")
         max_new = kw.get("max_new_tokens") or getattr(gen, "max_new_tokens", None) or 128
         eos = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
-        stops = set(eos if isinstance(eos, list) else [eos]) - {None}
+        stops = stop_set(eos)
         pad = getattr(gen, "pad_token_id", None)
         pad = pad if pad is not None else (min(stops) if stops else 0)
         llm = self._loaded(input_ids.shape[1] + max_new + 8)

@@ -130,6 +130,11 @@ def class_logits(model: torch.nn.Module, rows: list[list[int]], pad_id: int, bat
     return out if out is not None else torch.empty((0, 0))
 
 
+def stop_set(eos: Any) -> set[int]:
+    """A generation config's eos_token_id (one id, a list of them, or None) as a set of stop ids."""
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
 @torch.no_grad()
 def generated_ids(model: torch.nn.Module, prompts: list[list[int]], tok: Any, gen: dict[str, Any], batch_size: int,
                   device: torch.device, decoder_only: bool, desc: str, logger: logging.Logger | None = None
@@ -138,8 +143,7 @@ def generated_ids(model: torch.nn.Module, prompts: list[list[int]], tok: Any, ge
     `prompts`. Encoder-decoder inputs are padded on the right, decoder-only prompts on the left."""
     out_ids: list[list[int]] = [[] for _ in prompts]
     pad = tok.pad_token_id
-    eos = gen.get("eos_token_id")
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None} or {pad}
+    stops = stop_set(gen.get("eos_token_id")) or {pad}
     for idx in batches([len(p) for p in prompts], batch_size, desc, logger):
         ids, mask = padded([prompts[j] for j in idx], pad, left=decoder_only)
         out = forward(model, generate=True, input_ids=ids.to(device), attention_mask=mask.to(device), **gen)

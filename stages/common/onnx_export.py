@@ -420,21 +420,14 @@ def refuse_unsupported(gen: Any) -> None:
                               f"implements no {name}; give --runtime torch (or --num-beams 1 for beams)")
 
 
-def generated_ids(model: Any, prompts: list[list[int]], pad_id: int, gen: Any) -> list[list[int]]:
+def generated_ids(model: Any, prompts: list[list[int]], tok: Any, gen: Any) -> list[list[int]]:
     """Each prompt's greedy generation as token ids (through the end token), in order: torch or OnnxSeq2Seq."""
-    from stages.common.inference import batches, forward, padded
+    import torch
 
-    eos = gen.eos_token_id
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None}
-    got: list[list[int]] = [[] for _ in prompts]
-    for idx in batches([len(p) for p in prompts], GENERATION_BATCH, "export onnx check"):
-        ids, mask = padded([prompts[j] for j in idx], pad_id)
-        out = forward(model, generate=True, input_ids=ids, attention_mask=mask, generation_config=gen)
-        for r, j in enumerate(idx):
-            seq = out[r, 1:].tolist()
-            end = next((k for k, t in enumerate(seq) if t in stops), None)
-            got[j] = seq if end is None else seq[:end + 1]
-    return got
+    from stages.common.inference import generated_ids as batched
+
+    return batched(model, prompts, tok, {"generation_config": gen, "eos_token_id": gen.eos_token_id},
+                   GENERATION_BATCH, torch.device("cpu"), False, "export onnx check")
 
 
 def seq2seq_runtime(folder: Path, encoder: str, decoder: str, threads: int | None = None) -> OnnxSeq2Seq:
@@ -447,9 +440,9 @@ def seq2seq_runtime(folder: Path, encoder: str, decoder: str, threads: int | Non
 
 
 def compare_generations(out: Path, encoder: str, decoder: str, reference: list[list[int]], prompts: list[list[int]],
-            pad_id: int, gen: Any, exact: bool) -> dict[str, Any]:
+                        tok: Any, gen: Any, exact: bool) -> dict[str, Any]:
     """The files' greedy generations against torch's on the same prompts; `exact` (fp32): every row identical."""
-    got = generated_ids(seq2seq_runtime(out, encoder, decoder), prompts, pad_id, gen)
+    got = generated_ids(seq2seq_runtime(out, encoder, decoder), prompts, tok, gen)
     same = sum(a == b for a, b in zip(got, reference, strict=True))
     tokens = [sum(x == y for x, y in zip(a, b, strict=False)) for a, b in zip(got, reference, strict=True)]
     result: dict[str, Any] = {"files": [f"{ONNX_DIR}/{encoder}", f"{ONNX_DIR}/{decoder}"], "rows": len(prompts),
@@ -479,16 +472,16 @@ def export_checked_seq2seq(out: Path, tokenized: Path, splits: Sequence[str], in
     ds = datasets.load_from_disk(str(tokenized / "dataset"))
     prompts = [list(r) for split in splits if split in ds
                for r in ds[split].select(range(min(GENERATION_CHECK_ROWS, len(ds[split]))))["input_ids"]]
-    reference = generated_ids(model, prompts, tok.pad_token_id, gen)
+    reference = generated_ids(model, prompts, tok, gen)
     write_seq2seq(model, out)
     facts: dict[str, Any] = {"opset": OPSET, "kv_cache": False,
-                             "fp32": compare_generations(out, ENCODER, DECODER, reference, prompts, tok.pad_token_id, gen, True)}
+                             "fp32": compare_generations(out, ENCODER, DECODER, reference, prompts, tok, gen, True)}
     log.info("export: onnx/%s + %s checked in onnxruntime on %d evaluated rows: every greedy generation identical "
              "to torch's", ENCODER, DECODER, len(prompts))
     if int8:
         for name in (ENCODER, DECODER):
             quantize_as(out / ONNX_DIR / name)
-        q = compare_generations(out, int8_name(ENCODER), int8_name(DECODER), reference, prompts, tok.pad_token_id, gen, False)
+        q = compare_generations(out, int8_name(ENCODER), int8_name(DECODER), reference, prompts, tok, gen, False)
         facts["int8"] = q
         log.info("export: onnx int8: %d of %d greedy generations identical to fp32 torch's", q["rows_identical"],
                  len(prompts))

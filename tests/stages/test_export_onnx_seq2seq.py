@@ -56,12 +56,12 @@ def test_the_seq2seq_onnx_files_generate_as_torch_and_predict_prints_its_texts(e
     model = AutoModelForSeq2SeqLM.from_pretrained(str(folder)).eval()
     gen = GenerationConfig.from_pretrained(str(folder))
     prompts = [tok(cfg.tokenize.prefix + t, truncation=True)["input_ids"] for t in texts]
-    plain = onnx_export.generated_ids(model, prompts, tok.pad_token_id, gen)
+    plain = onnx_export.generated_ids(model, prompts, tok, gen)
     eos = Counter(t for row in plain for t in row[1:-1]).most_common(1)[0][0]
     gen.update(eos_token_id=eos)
     with torch.no_grad():
-        want = onnx_export.generated_ids(model, prompts, tok.pad_token_id, gen)
-    got = onnx_export.generated_ids(runtime_model(folder, "onnx"), prompts, tok.pad_token_id, gen)
+        want = onnx_export.generated_ids(model, prompts, tok, gen)
+    got = onnx_export.generated_ids(runtime_model(folder, "onnx"), prompts, tok, gen)
     assert got == want
     assert len({len(r) for r in want}) > 1 and any(r[-1] == eos for r in want)  # stopped at different steps
 
