@@ -113,18 +113,11 @@ def greedy(llm: Any, prompt: list[int], max_new: int, stops: set[int]) -> list[i
 def check_prompts(tokenized: Path, splits: Sequence[str]) -> list[list[int]]:
     """The evaluated rows' prompts (what evaluate generates from): the prompt before the last labelled run; a
     row labelled throughout (language modelling) gives its first PROMPT_TOKENS tokens."""
-    import datasets
-
     from stages.common.inference import prompt_of
 
-    ds = datasets.load_from_disk(str(tokenized / "dataset"))
-    prompts = []
-    for split in splits:
-        if split in ds:
-            part = ds[split].select(range(min(CHECK_PROMPTS, len(ds[split]))))
-            for ids, labels in zip(part["input_ids"], part["labels"], strict=True):
-                ids = list(ids)
-                prompts.append(prompt_of(ids, list(labels)) or ids[:min(PROMPT_TOKENS, max(1, len(ids) // 2))])
+    rows, labels = onnx_export.evaluated_rows(tokenized, splits, CHECK_PROMPTS)
+    prompts = [prompt_of(ids, list(y)) or ids[:min(PROMPT_TOKENS, max(1, len(ids) // 2))]
+               for ids, y in zip(rows, labels, strict=True)]
     return [p for p in prompts if p]
 
 

@@ -166,12 +166,27 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
     return result
 
 
+def evaluated_rows(tokenized: Path, splits: Sequence[str], n: int) -> tuple[list[list[int]], list[Any]]:
+    """(input ids, labels) of the first `n` rows of each evaluated split, as the tokenize stage wrote them: the
+    rows a format's check runs on."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(tokenized / "dataset"))
+    ids: list[list[int]] = []
+    labels: list[Any] = []
+    for split in splits:
+        if split in ds:
+            part = ds[split].select(range(min(n, len(ds[split]))))
+            ids += [list(r) for r in part["input_ids"]]
+            labels += list(part["labels"])
+    return ids, labels
+
+
 def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool, log: Any) -> dict[str, Any]:
     """Write onnx/ for the classifier at the top of `out` and check each file; the facts for the manifest. A
     seq2seq export's: export_checked_seq2seq."""
     if seq2seq(model_folder(out)):
         return export_checked_seq2seq(out, tokenized, splits, int8, log)
-    import datasets
     import numpy as np
     import transformers
 
@@ -179,14 +194,8 @@ def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(out), dtype="float32").eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
-    ds = datasets.load_from_disk(str(tokenized / "dataset"))
-    rows: list[list[int]] = []
-    labels: list[int] = []
-    for split in splits:
-        if split in ds:
-            part = ds[split].select(range(min(CHECK_ROWS, len(ds[split]))))
-            rows += [list(r) for r in part["input_ids"]]
-            labels += [int(y) for y in part["labels"]]
+    rows, gold = evaluated_rows(tokenized, splits, CHECK_ROWS)
+    labels = [int(y) for y in gold]
     reference = class_logits(model, rows, tok.pad_token_id, 32, model.device, "export onnx check",
                              log).numpy().astype(np.float32)
     fp32 = write(model, out)
@@ -459,7 +468,6 @@ def compare_generations(out: Path, encoder: str, decoder: str, reference: list[l
 
 def export_checked_seq2seq(out: Path, tokenized: Path, splits: Sequence[str], int8: bool, log: Any) -> dict[str, Any]:
     """Write onnx/ for the seq2seq model of `out` and check each pair of files; the facts for the manifest."""
-    import datasets
     import transformers
 
     folder = model_folder(out)
@@ -469,9 +477,7 @@ def export_checked_seq2seq(out: Path, tokenized: Path, splits: Sequence[str], in
     gen.update(num_beams=1, do_sample=False)  # the check is greedy whatever evaluate used (docs/export.md#onnx)
     if gen.pad_token_id is None:
         gen.pad_token_id = tok.pad_token_id
-    ds = datasets.load_from_disk(str(tokenized / "dataset"))
-    prompts = [list(r) for split in splits if split in ds
-               for r in ds[split].select(range(min(GENERATION_CHECK_ROWS, len(ds[split]))))["input_ids"]]
+    prompts, _ = evaluated_rows(tokenized, splits, GENERATION_CHECK_ROWS)
     reference = generated_ids(model, prompts, tok, gen)
     write_seq2seq(model, out)
     facts: dict[str, Any] = {"opset": OPSET, "kv_cache": False,
