@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.common import onnx_export
-from stages.common.inference import stop_set
 from stages.common.onnx_export import ExportCheckError
 from stages.engine.errors import ConfigError
 
@@ -174,6 +173,8 @@ def stop_ids(src: Path, tok: Any) -> set[int]:
         eos = transformers.GenerationConfig.from_pretrained(str(src)).eos_token_id
     except OSError:
         eos = None
+    from stages.common.inference import stop_set  # torch: not at plan time, which imports this module
+
     return stop_set(tok.eos_token_id if eos is None else eos)
 
 
@@ -264,6 +265,8 @@ class LlamaCppLM:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: Any = None,
                  eos_token_id: Any = None, **kw: Any) -> torch.Tensor:
         import torch
+
+        from stages.common.inference import stop_set
 
         gen = generation_config
         if gen is not None and (getattr(gen, "num_beams", 1) or 1) > 1:
