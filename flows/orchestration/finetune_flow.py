@@ -4,11 +4,14 @@ artifact paths and manifests, never models or data."""
 
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Any, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
 from prefect.states import Completed, Failed, State
+from prefect.utilities.annotations import quote
 
 from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
@@ -22,6 +25,11 @@ from stages.engine.runner import Execution, run_step
 from stages.engine.stage import JOINED
 from stages.engine.store import Outcome, Store
 from stages.graph import GRAPH
+
+
+# at exit, no last garbage collection over the millions of objects torch and transformers leave: a run's
+# process (a worker's, a sweep's child) ends about 1.5 s sooner (bench/scale_out.py's runs: 1.7 s -> 0.2 s)
+atexit.register(gc.freeze)
 
 
 def user_error(e: FinetuneError) -> State:
@@ -67,7 +75,10 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     states: dict[str, State] = {}
     with run:
         for item in run.pending():
-            state = states[item.name] = STAGE_TASKS[item.name](plan, item, store, run.done, return_state=True)
+            # quoted: Prefect would otherwise walk the plan, the store and every manifest so far looking for
+            # futures (about 0.1 s a task); they hold none
+            state = states[item.name] = STAGE_TASKS[item.name](quote(plan), quote(item), quote(store), quote(run.done),
+                                                               return_state=True)
             if state.is_failed():
                 run.fail(state.message or "failed")
                 return Failed(message=f"stage {item.name}: {state.message}")

@@ -48,6 +48,9 @@ from stages.engine.tracking import Tracker, child_env, start_sweep
 log = logging.getLogger("finetune.sweep")
 
 
+# how often a variant on the work pool asks the server whether its run ended (Prefect's default is 5 s: a
+# sweep's last run would end up to 5 s before the sweep notices, and a --parallel slot stays taken as long)
+DEPLOYMENT_POLL_S = 1.0
 _CHILDREN: set[Any] = set()  # the child processes running now (ended when the sweep is interrupted)
 _STOPPING = threading.Event()  # set when the sweep is interrupted: no child starts after it
 _CHILDREN_LOCK = threading.Lock()
@@ -88,7 +91,7 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
         fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
                                  flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None,
-                                 job_variables={"env": env} if env else None)
+                                 job_variables={"env": env} if env else None, poll_interval=DEPLOYMENT_POLL_S)
         return _outcome(run, fr.name, fr.state, None)
     parent = TaskRunContext.get().task_run.id
     with get_client(sync_client=True) as client:

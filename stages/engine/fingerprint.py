@@ -53,13 +53,27 @@ def root_of(obj: Any) -> tuple[str, str]:
     return obj.__module__, obj.__qualname__.split(".")[0]
 
 
-def remembered_code_fingerprint(entry_points: list[Callable | type], memo: HashMemo) -> tuple[str, list[str]]:
-    """code_fingerprint, remembered in the store's memo under the stat signature of every project source
-    file (path, inode, size, mtime_ns, ctime_ns): a fresh process reads no source while none changed."""
-    key = "code:" + sha256_text(canonical_json([source_signature(PROJECT_ROOT),
+def remembered_code_fingerprint(entry_points: list[Callable | type], memo: HashMemo | None = None
+                                ) -> tuple[str, list[str]]:
+    """code_fingerprint, remembered (in `memo`, else this machine's code_memo()) under the Python version
+    and the stat signature of every project source file (path, inode, size, mtime_ns, ctime_ns): a fresh
+    process reads no source while none changed."""
+    key = "code:" + sha256_text(canonical_json([list(sys.version_info[:2]), source_signature(PROJECT_ROOT),
                                                 [".".join(root_of(e)) for e in entry_points]]))
-    code, objects = memo.derived(key, lambda: code_fingerprint(entry_points))
+    code, objects = (memo or code_memo()).derived(key, lambda: code_fingerprint(entry_points))
     return code, list(objects)
+
+
+_CODE_MEMO: list[HashMemo] = []
+
+
+def code_memo() -> HashMemo:
+    """The memo of code fingerprints, one per user (~/.cache/finetune-code/), not one per store or cache: a
+    fingerprint belongs to the checkout (its key names every source file's stat fields), so a worker on a
+    fresh FINETUNE_CACHE, or a run on another store, does not walk the code again (about 1 s of CPU)."""
+    if not _CODE_MEMO:
+        _CODE_MEMO.append(HashMemo(Path.home() / ".cache" / "finetune-code" / "fingerprints.sqlite"))
+    return _CODE_MEMO[0]
 
 
 def code_fingerprint(entry_points: Iterable[Callable | type], graph: CodeGraph | None = None
@@ -90,6 +104,10 @@ class HashMemo:
         if self._db is None:
             try:
                 self._db = self._open(self.path)
+            except OSError as e:  # a folder it cannot create (a read-only home): remembered for this run only
+                log.debug("%s: %s; hashes are remembered in memory for this run only", self.path, e)
+                self.path = None
+                return None
             except sqlite3.DatabaseError as e:  # not a database, or a damaged one: it only remembers hashes
                 aside = self.path.with_name(f"{self.path.name}.corrupt")  # the last one, for a look
                 with contextlib.suppress(OSError):

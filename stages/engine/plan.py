@@ -117,7 +117,7 @@ class Graph:
         keys: dict[str, StageKey] = {}
         items = []
         for st in self.stages:
-            code, objects = remembered_code_fingerprint(code_roots(st), memo)
+            code, objects = remembered_code_fingerprint(code_roots(st))
             keys[st.name] = StageKey(
                 stage=st.name, params=stage_params(cfg, st.reads), upstream={u: keys[u].key for u in st.upstream},
                 inputs={**inputs_digest(files[st.name], memo), **deps[st.name]}, code=code,

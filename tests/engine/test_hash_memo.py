@@ -96,3 +96,29 @@ def test_build_output_beside_sources_is_in_no_key(tmp_path):
     assert inputs_digest([module]) == before == {"accuracy/accuracy.py": hashlib.sha256(b"x = 1\n").hexdigest()}
     (module / "accuracy.py").write_text("x = 2\n")
     assert inputs_digest([module]) != before
+
+
+def test_code_fingerprints_are_remembered_per_machine_not_per_store(tmp_path, monkeypatch):
+    """A worker on a fresh cache or a new store does not walk the code again: the fingerprints live in
+    ~/.cache/finetune-code, keyed by the checkout's source files; an unwritable home keeps them in memory."""
+    from stages.engine.config import load_pipeline
+    from stages.graph import GRAPH
+
+    walks: list[int] = []
+    real = fingerprint.code_fingerprint
+    monkeypatch.setattr(fingerprint, "code_fingerprint", lambda *a, **k: walks.append(1) or real(*a, **k))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_pipeline("tiny-imdb", [])
+    monkeypatch.setattr(fingerprint, "_CODE_MEMO", [])  # as a new process would start
+    first = {i.name: i.key.key for i in GRAPH.plan(cfg, Store(tmp_path / "store-a")).items}
+    assert len(walks) == len(GRAPH.names)
+    assert (tmp_path / "home" / ".cache" / "finetune-code" / "fingerprints.sqlite").is_file()
+    monkeypatch.setattr(fingerprint, "_CODE_MEMO", [])
+    again = {i.name: i.key.key for i in GRAPH.plan(cfg, Store(tmp_path / "store-b")).items}
+    assert again == first and len(walks) == len(GRAPH.names)  # another store, another process: no walk
+
+    (tmp_path / "file-home").write_text("")  # a home that is a file: nothing can be written under it
+    monkeypatch.setenv("HOME", str(tmp_path / "file-home"))
+    monkeypatch.setattr(fingerprint, "_CODE_MEMO", [])
+    assert {i.name: i.key.key for i in GRAPH.plan(cfg, Store(tmp_path / "store-c")).items} == first
+    assert len(walks) == 2 * len(GRAPH.names)
