@@ -26,9 +26,12 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -46,15 +49,62 @@ def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str]) -> tuple[float, str, Path]:
+ROLES = (("prefect server", "server start"), ("moto (S3)", "werkzeug"), ("workers", "worker start"),
+         ("flow runs", "prefect.engine"), ("sweep command", "flows.sweep"))
+
+
+class CpuMeter:
+    """CPU seconds (user + system) each role's processes used, sampled from this process's descendants every
+    0.2 s while it runs (a process that ends between samples loses at most its last 0.2 s)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[str, float]] = {}
+        self.start: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _poll(self, first: bool = False) -> None:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                cmd, t = " ".join(p.cmdline()), p.cpu_times()
+            except psutil.Error:
+                continue
+            role = next((r for r, needle in ROLES if needle in cmd), "other")
+            if first:
+                self.start[p.pid] = t.user + t.system
+            self.seen[p.pid] = (role, t.user + t.system)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            self._poll()
+
+    def __enter__(self) -> CpuMeter:
+        self._poll(first=True)  # the server and moto ran before: only what they use from here counts
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+
+    def by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, (role, t) in self.seen.items():
+            out[role] = out.get(role, 0.0) + t - self.start.get(pid, 0.0)
+        return out
+
+
+def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str]) -> tuple[float, str, Path, dict[str, float]]:
     """Wall time of the sweep with these workers on this store (a fresh machine folder each), the load
-    average at its end, and the folder of its machines."""
+    average at its end, the folder of its machines and the CPU seconds per role (workers started to end)."""
     folder = tmp / f"{uuid.uuid4().hex[:6]}"
-    with machines({**env, "FINETUNE_STORE": store}, folder, *workers):
+    with CpuMeter() as cpu, machines({**env, "FINETUNE_STORE": store}, folder, *workers):
         t0 = time.perf_counter()
         run([sys.executable, *SWEEP], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
             timeout=1800)
-        return time.perf_counter() - t0, load(), folder
+        wall = time.perf_counter() - t0
+    return wall, load(), folder, cpu.by_role()
 
 
 def moved(folder: Path) -> dict[str, int]:
@@ -80,9 +130,12 @@ def main() -> int:
     times: dict[str, list[float]] = {"one": [], "two": [], "cached_s3": [], "cached_local": []}
     loads: dict[str, list[str]] = {k: [] for k in times}
 
+    cpu: dict[str, list[dict[str, float]]] = {k: [] for k in times}
+
     def timed(kind: str, env: dict[str, str], store: str, workers: list[str]) -> Path:
-        t, at_end, folder = sweep(env, tmp, store, workers)
+        t, at_end, folder, used = sweep(env, tmp, store, workers)
         times[kind].append(t)
+        cpu[kind].append(used)
         loads[kind].append(at_end)
         print(f"{kind}: {t:.1f} s (load {at_end})", flush=True)
         return folder
@@ -116,9 +169,22 @@ def main() -> int:
              f"{bytes_.get('get', 0)} GET {human_bytes(bytes_.get('get_bytes', 0))}",
              f"{bytes_.get('put', 0)} PUT {human_bytes(bytes_.get('put_bytes', 0))}, "
              f"{bytes_.get('other', 0)} other requests", "(goal: manifests only, <= 1 MB)"]]
+    roles = [r for r, _ in ROLES] + ["other"]
+    cpu_rows = [["CPU seconds (median)", *roles, "all", "all / 2 cores"]]
+    for kind, label in (("one", "1 worker, fresh store"), ("two", "2 workers, fresh store"),
+                        ("cached_s3", "2 workers, cached, s3"), ("cached_local", "2 workers, cached, local")):
+        per = {r: statistics.median(c.get(r, 0.0) for c in cpu[kind]) for r in roles}
+        total = statistics.median(sum(c.values()) for c in cpu[kind])
+        cpu_rows.append([label, *(f"{per[r]:.1f}" for r in roles), f"{total:.1f}", f"{total / 2:.1f} s"])
     print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1, {args.repeat} timings of each kind (medians; "
           f"each timing in brackets)")
     for i, r in enumerate(rows):
+        print("| " + " | ".join(r) + " |")
+        if i == 0:
+            print("|" + "---|" * len(r))
+    print("\nwhere the CPU went (a sweep's processes, from its workers' start to its end; 'all / 2 cores' is the "
+          "shortest the sweep could take if nothing waited):")
+    for i, r in enumerate(cpu_rows):
         print("| " + " | ".join(r) + " |")
         if i == 0:
             print("|" + "---|" * len(r))
