@@ -8,7 +8,7 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
                       and what the cached rerun's runs moved to and from S3 (their run records' `transfers`:
                       GET/PUT requests and bytes; lazy fetch: manifests only)
 
-    .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N]
+    .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N] [--train-rows N]
 
 Each kind of timing is taken --repeat times (default 3), interleaved (1 worker, 2 workers, 1, 2, ...; then
 cached s3, cached local, ...); the table gives the medians, each timing beside them.
@@ -41,8 +41,12 @@ from s3server import moto_server, s3_env  # noqa: E402
 
 from stages.engine.units import human_bytes  # noqa: E402
 
-SWEEP = ["-m", "flows.sweep", "tiny-imdb", "--grid", "train.lr=1e-3,7e-4,5e-4,3e-4",
-         "--set", "data.subset={train: 96, validation: 8, test: 8}", "--parallel", "4", "--on-workers"]
+TRAIN_ROWS = 96  # the issue's sweep; --train-rows N gives each variant more training
+
+
+def sweep_command(train_rows: int = TRAIN_ROWS) -> list[str]:
+    return ["-m", "flows.sweep", "tiny-imdb", "--grid", "train.lr=1e-3,7e-4,5e-4,3e-4",
+            "--set", f"data.subset={{train: {train_rows}, validation: 8, test: 8}}", "--parallel", "4", "--on-workers"]
 
 
 def load() -> str:
@@ -95,13 +99,14 @@ class CpuMeter:
         return out
 
 
-def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str]) -> tuple[float, str, Path, dict[str, float]]:
+def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str], train_rows: int = TRAIN_ROWS
+          ) -> tuple[float, str, Path, dict[str, float]]:
     """Wall time of the sweep with these workers on this store (a fresh machine folder each), the load
     average at its end, the folder of its machines and the CPU seconds per role (workers started to end)."""
     folder = tmp / f"{uuid.uuid4().hex[:6]}"
     with CpuMeter() as cpu, machines({**env, "FINETUNE_STORE": store}, folder, *workers):
         t0 = time.perf_counter()
-        run([sys.executable, *SWEEP], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
+        run([sys.executable, *sweep_command(train_rows)], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
             timeout=1800)
         wall = time.perf_counter() - t0
     return wall, load(), folder, cpu.by_role()
@@ -123,6 +128,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--repeat", type=int, default=3, help="timings of each kind, interleaved (default 3); the table "
                    "gives their medians")
+    p.add_argument("--train-rows", type=int, default=TRAIN_ROWS, help=f"training rows per variant (default "
+                   f"{TRAIN_ROWS}, the issue's sweep); more rows give each run more work beside the same overheads")
     args = p.parse_args()
     tmp = args.work or Path(tempfile.mkdtemp(prefix="scale-out-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -133,7 +140,7 @@ def main() -> int:
     cpu: dict[str, list[dict[str, float]]] = {k: [] for k in times}
 
     def timed(kind: str, env: dict[str, str], store: str, workers: list[str]) -> Path:
-        t, at_end, folder, used = sweep(env, tmp, store, workers)
+        t, at_end, folder, used = sweep(env, tmp, store, workers, args.train_rows)
         times[kind].append(t)
         cpu[kind].append(used)
         loads[kind].append(at_end)
@@ -150,7 +157,7 @@ def main() -> int:
             for i in range(args.repeat):  # each on a fresh store; the last 2-worker one fills `s3`
                 timed("one", env, f"s3://bench/{uuid.uuid4().hex[:8]}", ["a"])
                 timed("two", env, s3 if i == args.repeat - 1 else f"s3://bench/{uuid.uuid4().hex[:8]}", ["a", "b"])
-            sweep(env, tmp, local, ["a", "b"])  # fill the local store
+            sweep(env, tmp, local, ["a", "b"], args.train_rows)  # fill the local store
             for _ in range(args.repeat):
                 folder = timed("cached_s3", env, s3, ["a", "b"])
                 timed("cached_local", env, local, ["a", "b"])
@@ -176,7 +183,8 @@ def main() -> int:
         per = {r: statistics.median(c.get(r, 0.0) for c in cpu[kind]) for r in roles}
         total = statistics.median(sum(c.values()) for c in cpu[kind])
         cpu_rows.append([label, *(f"{per[r]:.1f}" for r in roles), f"{total:.1f}", f"{total / 2:.1f} s"])
-    print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1, {args.repeat} timings of each kind (medians; "
+    print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1, {args.train_rows} training rows per variant, "
+          f"{args.repeat} timings of each kind (medians; "
           f"each timing in brackets)")
     for i, r in enumerate(rows):
         print("| " + " | ".join(r) + " |")
