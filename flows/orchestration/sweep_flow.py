@@ -48,8 +48,9 @@ from stages.engine.tracking import Tracker, child_env, start_sweep
 log = logging.getLogger("finetune.sweep")
 
 
-# how often a variant on the work pool asks the server whether its run ended (Prefect's default is 5 s: a
-# sweep's last run would end up to 5 s before the sweep notices, and a --parallel slot stays taken as long)
+# how often a variant on the work pool asks the server whether its run ended: one request a second per variant
+# in flight (Prefect's default is 5 s: a sweep's last run would end up to 5 s before the sweep notices, and a
+# --parallel slot stays taken as long)
 DEPLOYMENT_POLL_S = 1.0
 _CHILDREN: set[Any] = set()  # the child processes running now (ended when the sweep is interrupted)
 _STOPPING = threading.Event()  # set when the sweep is interrupted: no child starts after it
