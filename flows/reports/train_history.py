@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from stages.common.runlog import read_metrics
+from stages.engine.runs import metrics_records, read_metrics
 from stages.engine.store import Store
 
 
@@ -15,11 +14,7 @@ def stored_history(store: Store, key: str) -> list[dict[str, Any]]:
     """The history of the store's train artifact `key`, its metrics.jsonl read alone (on a shared store,
     the artifact's weights stay there)."""
     raw = store.read_file("train", key, "metrics.jsonl")
-    if raw is None:
-        return []
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "metrics.jsonl").write_bytes(raw)
-        return read_history(Path(folder))
+    return [] if raw is None else metrics_records(raw.decode("utf-8", errors="replace"))
 
 
 def read_history(folder: Path) -> list[dict[str, Any]]:

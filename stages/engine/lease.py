@@ -28,6 +28,16 @@ def lease_ttl_s() -> float:
     return float(os.environ.get("FINETUNE_LEASE_TTL_S") or DEFAULT_TTL_S)
 
 
+def age_s(held: dict[str, Any]) -> float:
+    """Seconds since a lease body (as read from the store) was last renewed."""
+    return time.time() - float(held.get("renewed", 0))
+
+
+def alive(held: dict[str, Any], ttl_s: float = 0.0) -> bool:
+    """The lease body was renewed within its TTL (`ttl_s` when the body names none): its holder lives."""
+    return age_s(held) <= float(held.get("ttl_s", ttl_s))
+
+
 class Lease:
     """One lease object at `path` on fsspec filesystem `fs`: acquire() once, release() when done."""
 
@@ -77,11 +87,10 @@ class Lease:
             held = json.loads(self.fs.cat_file(self.path))
         except (FileNotFoundError, ValueError):
             return False  # released (or half-written) just now: try again at the next poll
-        age = time.time() - float(held.get("renewed", 0))
-        if age <= float(held.get("ttl_s", self.ttl_s)):
+        if alive(held, self.ttl_s):
             return False
         log.warning("lease %s was last renewed %.0f s ago by %s pid %s; its holder died, taking it over",
-                    self.path, age, held.get("host"), held.get("pid"))
+                    self.path, age_s(held), held.get("host"), held.get("pid"))
         if self.conditional:
             try:  # replace exactly the stale object we read: of two machines taking over, one wins
                 self._etag = _etag(self.fs.pipe_file(self.path, self._body(), IfMatch=etag)) or None

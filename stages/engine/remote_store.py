@@ -43,6 +43,7 @@ from stages.engine.config import store_root
 from stages.engine.errors import ConfigError, CorruptArtifactError
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import KeysLease, Lease
+from stages.engine.lease import alive as lease_alive
 from stages.engine.names import name_problem
 from stages.engine.paths import cache_dir
 from stages.engine.store import MANIFEST, StageKey, Store, log, manifest_problems, now_iso
@@ -74,8 +75,6 @@ class CountingFS:
     """An fsspec filesystem whose calls are counted: a download (cat_file, get_file) is a GET with its bytes,
     an upload (pipe_file, put_file) a PUT with its bytes, any other call (info, ls, find, rm...) one request."""
 
-    GETS = ("cat_file", "cat", "get_file")
-    PUTS = ("pipe_file", "put_file")
     PASS = ("invalidate_cache", "protocol", "sep", "root_marker")
 
     def __init__(self, fs: Any, transfers: Transfers):
@@ -177,10 +176,16 @@ class RemoteStore(Store):
 
     def _sizes(self, stage: str, key: str) -> dict[str, int]:
         """{relative path: size} of the artifact's files on the shared store: one listing request."""
-        remote = self._r(stage, key)
+        return self._listing(self._r(stage, key))
+
+    def _listing(self, remote: str) -> dict[str, int]:
+        """{path relative to `remote`: size} of every file under it, fresh (no cached listing); {} when absent."""
         self.fs.invalidate_cache(remote)
         prefix = remote.rstrip("/") + "/"
-        found = self.fs.find(remote, detail=True)
+        try:
+            found = self.fs.find(remote, detail=True)
+        except FileNotFoundError:
+            return {}
         return {p[len(prefix):]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(prefix)}
 
     def size(self, stage: str, key: str) -> int:
@@ -220,14 +225,11 @@ class RemoteStore(Store):
     def work_entries(self) -> Iterator[tuple[str, str, str, int]]:
         """The shared `.work/<stage>-<key>/` (a run's published checkpoints) and this machine's scratch."""
         seen = set()
-        work = self._r(".work")
-        self.fs.invalidate_cache(work)
         sizes: dict[tuple[str, str], int] = {}
-        prefix = work.rstrip("/") + "/"
-        for path, info in (self.fs.find(work, detail=True) if self.fs.exists(work) else {}).items():
-            stage, _, key = path[len(prefix):].split("/", 1)[0].rpartition("-")
+        for path, size in self._listing(self._r(".work")).items():
+            stage, _, key = path.split("/", 1)[0].rpartition("-")
             if len(key) == 64:
-                sizes[stage, key] = sizes.get((stage, key), 0) + int(info.get("size") or 0)
+                sizes[stage, key] = sizes.get((stage, key), 0) + size
         for (stage, key), size in sorted(sizes.items()):
             seen.add((stage, key))
             if not self._lease_alive(key):  # a live run's work, wherever it runs, is not even listed
@@ -242,7 +244,7 @@ class RemoteStore(Store):
             held = json.loads(self.fs.cat_file(self._r(".locks", f"{key}.lock")))
         except (OSError, ValueError, FileNotFoundError):
             return False
-        return time.time() - float(held.get("renewed", 0)) <= float(held.get("ttl_s", 0))
+        return lease_alive(held)
 
     def remove_work(self, stage: str, key: str) -> bool:
         """Delete the key's shared work and this machine's scratch unless a run (here or on any machine whose
@@ -434,7 +436,7 @@ class RemoteStore(Store):
                 held = json.loads(self.fs.cat_file(path))
             except (OSError, ValueError):
                 continue
-            if time.time() - float(held.get("renewed", 0)) <= float(held.get("ttl_s", 0)):
+            if lease_alive(held):
                 keep |= {(s, k) for s, k in held.get("keys", [])}
             else:
                 with contextlib.suppress(OSError):

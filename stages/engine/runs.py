@@ -71,12 +71,15 @@ def outcome_status(o: Outcome) -> str:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl that carry a step, in order; an unreadable line is skipped (a run
+    """The records of a metrics.jsonl file that carry a step (metrics_records); [] when it is absent."""
+    return metrics_records(path.read_text()) if path.is_file() else []
+
+
+def metrics_records(text: str) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl text that carry a step, in order; an unreadable line is skipped (a run
     killed mid-write leaves half a line)."""
-    if not path.is_file():
-        return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             rec = json.loads(line)
         except ValueError:

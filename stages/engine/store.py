@@ -508,10 +508,6 @@ class Store:
         """The store on this machine's disk that holds the folders stages read (itself, here)."""
         return self
 
-    def fetch(self, stage: str, key: str, manifest: dict[str, Any]) -> Path | None:
-        """A valid artifact as a local folder (here it already is one)."""
-        return self.artifact_dir(stage, key)
-
     def materialize(self, stage: str, key: str, digest: str | None = None) -> Path | None:
         """A committed artifact's folder on this machine, its files there (a shared store downloads them
         now); None when it is not in the store (or, with `digest`, holds other content)."""
