@@ -58,6 +58,7 @@ def main() -> int:
     from prefect.utilities.annotations import quote
     from prefect.utilities.engine import collect_task_run_inputs_sync
 
+    from flows.reports.formatting import markdown_table
     from stages.engine import fingerprint
     from stages.engine.codegraph import CodeGraph
     from stages.engine.config import load_pipeline
@@ -108,10 +109,7 @@ def main() -> int:
             ["process exit after torch + transformers", f"{m['exit']:.2f} s", f"{m['exit_frozen']:.2f} s with "
              "gc.freeze", f"{m['exit'] - m['exit_frozen']:.2f} s a run"]]
     print(f"\nmedians of {args.repeat}; load at the end: {load()}")
-    for i, r in enumerate(rows):
-        print("| " + " | ".join(r) + " |")
-        if i == 0:
-            print("|" + "---|" * len(r))
+    print(markdown_table(rows))
     return 0
 
 

@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from cluster import base_env, machines, orchestrator, run  # noqa: E402
 from s3server import moto_server, s3_env  # noqa: E402
 
+from flows.reports.formatting import markdown_table  # noqa: E402
 from stages.engine.units import human_bytes  # noqa: E402
 
 TRAIN_ROWS = 96  # the issue's sweep; --train-rows N gives each variant more training
@@ -186,16 +187,10 @@ def main() -> int:
     print(f"\ncores: {os.cpu_count()}, torch threads per worker: 1, {args.train_rows} training rows per variant, "
           f"{args.repeat} timings of each kind (medians; "
           f"each timing in brackets)")
-    for i, r in enumerate(rows):
-        print("| " + " | ".join(r) + " |")
-        if i == 0:
-            print("|" + "---|" * len(r))
+    print(markdown_table(rows))
     print("\nwhere the CPU went (a sweep's processes, from its workers' start to its end; 'all / 2 cores' is the "
           "shortest the sweep could take if nothing waited):")
-    for i, r in enumerate(cpu_rows):
-        print("| " + " | ".join(r) + " |")
-        if i == 0:
-            print("|" + "---|" * len(r))
+    print(markdown_table(cpu_rows))
     return 0
 
 

@@ -40,6 +40,12 @@ def render_table(rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+def markdown_table(rows: list[list[str]]) -> str:
+    """Rows of cells (the first the header) as a Markdown table (the benches' printed tables)."""
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join([lines[0], "|" + "---|" * len(rows[0]), *lines[1:]])
+
+
 def inline_png(png: Path, alt: str) -> list[str]:
     """Markdown lines showing a PNG inline (a data URL, for the Prefect UI), unless missing or too large."""
     if not png.is_file() or png.stat().st_size >= INLINE_PNG_MAX_BYTES:
