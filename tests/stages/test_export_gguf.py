@@ -7,6 +7,8 @@ time (a classifier, the adapter alone, the extra missing, the renamed export.for
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 
 import numpy as np
@@ -23,6 +25,40 @@ from stages.engine.store import Store
 from stages.graph import GRAPH, check_formats
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
+
+# A llama_cpp that is the installed binding, except that loading the file named by $CRASH_ON kills the process with
+# $CRASH_SIGNAL: what llama.cpp's kernels do on a CPU that advertises an instruction its VM will not run (AMX).
+FAULTY_LLAMA_CPP = """
+import os, signal, sys
+_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules[__name__]
+import llama_cpp as _real
+
+class Llama(_real.Llama):
+    def __init__(self, model_path, **kw):
+        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
+            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
+        super().__init__(model_path=model_path, **kw)
+
+_real.Llama = Llama
+"""
+
+
+@pytest.fixture
+def faulty_llama(tmp_path, monkeypatch):
+    """Put the faulty llama_cpp first on the path of every process started from here on; returns a setter
+    (file name, signal name)."""
+    (tmp_path / "faulty" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "faulty" / "llama_cpp" / "__init__.py").write_text(FAULTY_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path / "faulty"),
+                                                                   os.environ.get("PYTHONPATH")])))
+
+    def crash_on(name: str, sig: str = "SIGILL") -> None:
+        monkeypatch.setenv("CRASH_ON", name)
+        monkeypatch.setenv("CRASH_SIGNAL", sig)
+
+    return crash_on
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +155,55 @@ def test_the_adapter_alone_cannot_be_converted(tmp_path, capsys):
                                          "export.layout=adapter"])
     with pytest.raises(ConfigError, match="^export.formats gguf: written from merged weights.*set export.merge=true"):
         check_formats(cfg)
+
+
+@pytest.mark.parametrize("sig,how", [("SIGILL", "SIGILL, illegal instruction"),
+                                     ("SIGSEGV", "SIGSEGV, segmentation fault")])
+def test_a_crash_of_llama_cpp_ends_its_own_process_not_the_caller(faulty_llama, tmp_path, sig, how):
+    faulty_llama("model-q8_0.gguf", sig)
+    with pytest.raises(gguf_export.RuntimeCrash) as e:
+        gguf_export.LlamaProcess(tmp_path / "model-q8_0.gguf", 64)
+    assert e.value.how == how
+
+
+def test_a_type_that_crashes_llama_cpp_fails_the_export_in_one_line_and_commits_nothing(causal, faulty_llama,
+                                                                                        tmp_path, monkeypatch, capsys):
+    out, f, store_dir = causal
+    store = tmp_path / "store"
+    shutil.copytree(store_dir, store, ignore=shutil.ignore_patterns("export"))  # every stage before export
+    monkeypatch.setenv("FINETUNE_STORE", str(store))
+    faulty_llama("model-q8_0.gguf", "SIGILL")
+    assert stages_main(["ggufcausal", "--config", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, err
+    assert ("export.formats gguf: llama.cpp failed running model-q8_0.gguf on this CPU (SIGILL, illegal "
+            "instruction); nothing was committed. Drop q8_0 from export.gguf_types") in err, err
+    assert not list(store.glob("export/*")) and not list(store.glob(".tmp/*"))
+
+    # predict --runtime gguf-q8_0 on the export committed before: one line, exit 2; the f16 file still answers
+    src = tmp_path / "asked.jsonl"
+    src.write_text(json.dumps({"text": "Question 1: why ?"}) + "\n")
+    folder = str(out["export"].path)
+    assert predict_main([folder, "--file", str(src), "--runtime", "gguf-q8_0", "--out", str(tmp_path / "q.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "give --runtime torch" in err, err
+    assert "--runtime gguf-q8_0: llama.cpp failed running model-q8_0.gguf on this CPU (SIGILL" in err, err
+    assert predict_main([folder, "--file", str(src), "--runtime", "gguf", "--out", str(tmp_path / "f.jsonl")]) == 0
+
+
+def test_the_flow_run_of_a_type_that_crashes_llama_cpp_ends_failed(causal, faulty_llama, prefect_server, tmp_path,
+                                                                   monkeypatch):
+    from flows.orchestration.finetune_flow import finetune
+    from stages.engine.runs import read_runs
+
+    _, f, store_dir = causal
+    store = tmp_path / "store"
+    shutil.copytree(store_dir, store, ignore=shutil.ignore_patterns("export", "runs"))
+    monkeypatch.setenv("FINETUNE_STORE", str(store))
+    faulty_llama("model-q8_0.gguf", "SIGILL")
+    state = finetune("ggufcausal", config=str(f), return_state=True)
+    assert state.is_failed() and "llama.cpp failed running model-q8_0.gguf on this CPU (SIGILL" in state.message
+    (run,) = read_runs(store)  # what `finetune inspect runs` lists
+    assert run["status"] == "failed" and "SIGILL" in run["error"]
+    assert run["stages"][-1] == {"stage": "export", "status": "failed"}
+    assert not list(store.glob("export/*"))
