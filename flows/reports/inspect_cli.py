@@ -301,25 +301,28 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
 
 def render_kept(kept: list[Kept]) -> str:
     """What gc keeps, by pipeline and sweep: each group's artifacts and bytes (an artifact two groups share counts
-    in each, once in the total), a pipeline's reasons one per line, a sweep's results as one line."""
+    in each, once in the total), a pipeline's reasons one per line, a sweep's results as one line. What holds
+    no artifact here (a pipeline of the file never run) is left out."""
     groups: dict[str, list[Kept]] = {}
     for k in kept:
-        groups.setdefault(k.group, []).append(k)
+        if k.held:
+            groups.setdefault(k.group, []).append(k)
     rows = [["kept", "artifacts", "size", "last made", "drop with"]]
     for name, ks in groups.items():
         held = {sk: n for k in ks for sk, n in k.held.items()}
-        drops = {k.drop for k in ks if k.drop}
-        sweep = name.startswith("sweep ")
-        drop = name.split(" ", 1)[1] if drops and name.startswith(("sweep ", "pipeline ")) else ""
+        kind, _, label = name.partition(" ")
+        drop = label if any(k.drop for k in ks) and kind in ("sweep", "pipeline") else ""
         last = max((k.updated for k in ks if k.updated), default=None)
-        rows.append([name + (f" ({len(ks)} runs)" if sweep else ""), str(len(held)), human_bytes(sum(held.values())),
-                     local_time(last) if sweep else "", f"--drop {drop}" if drop else ""])
-        if not sweep and name.startswith("pipeline "):
-            rows += [[f"  {k.what}", str(len(k.held)), human_bytes(k.size_bytes), local_time(k.updated)
-                      if k.updated else "", f"--drop {k.drop}" if k.drop and k.drop != drop else ""] for k in ks]
+        rows.append([name + (f" ({len(ks)} runs)" if kind == "sweep" else ""), str(len(held)),
+                     human_bytes(sum(held.values())), local_time(last) if kind == "sweep" else "",
+                     f"--drop {drop}" if drop else ""])
+        if kind == "pipeline":
+            rows += [[f"  {k.what}", str(len(k.held)), human_bytes(k.size_bytes),
+                      local_time(k.updated) if k.updated else "",
+                      f"--drop {k.drop}" if k.drop and k.drop != drop else ""] for k in ks]
     everything = {sk: n for k in kept for sk, n in k.held.items()}
-    return (f"keeps {len(everything)} artifacts, {human_bytes(sum(everything.values()))} (the file's current "
-            f"configs, every result until dropped by name or age, live runs):\n" + render_table(rows))
+    return (f"keeps {len(everything)} artifacts, {human_bytes(sum(everything.values()))}: the file's current "
+            f"configs, every result until dropped by name or age, live runs\n" + render_table(rows))
 
 
 def render_garbage(garbage: list[Garbage], force: bool) -> str:

@@ -45,7 +45,7 @@ class Result(BaseModel):
 
     @property
     def label(self) -> str:
-        return " ".join(f"--set {s}" for s in self.set) or "as in the file"
+        return "variant " + " ".join(self.set) if self.set else "as in the file"
 
 
 def result_id(pipeline: str, overrides: list[str], sweep: str | None) -> str:

@@ -325,10 +325,10 @@ class Forgotten:
     why: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (stage, key) -> (group, why)
 
 
-def forgotten(store: Store, results: list[Result], drop: list[str], older_than_s: float | None) -> Forgotten:
+def forgotten(store: Store, results: list[Result], drop: list[str], cutoff: datetime | None) -> Forgotten:
     """The results and refs `--drop NAME` names (a sweep: its children; a pipeline: its last run and its own
-    results, --set variants included, not its sweeps'; NAME@ID: one result) and, with `older_than_s`, those
-    last made longer ago: a result when it last recorded a key, a ref when its newest artifact was committed."""
+    results, --set variants included, not its sweeps'; NAME@ID: one result), and the results that last
+    recorded a key before `cutoff` (--older-than)."""
     refs = store.ref_names()
     sweeps = {r.sweep for r in results if r.sweep}
     pipelines = set(refs) | {r.pipeline for r in results if not r.sweep}
@@ -337,7 +337,6 @@ def forgotten(store: Store, results: list[Result], drop: list[str], older_than_s
                           f"(sweeps: {', '.join(sorted(sweeps)) or 'none'}; pipelines: "
                           f"{', '.join(sorted(pipelines)) or 'none'}; a result's NAME@ID is in gc's dry run)")
     out = Forgotten()
-    cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
     for r in results:
         named = r.sweep in drop or (not r.sweep and r.pipeline in drop) or r.handle in drop
         if named or (cutoff is not None and _before(r.updated, cutoff)):
@@ -345,13 +344,27 @@ def forgotten(store: Store, results: list[Result], drop: list[str], older_than_s
             for sk in r.keys.items():
                 out.why.setdefault(sk, (r.group, "dropped" if named else "older than --older-than"))
     for name in refs:
-        keys = store.refs(name)
-        named = name in drop
-        if named or (cutoff is not None and _before(max((_finished(store, *sk) for sk in keys.items()),
-                                                        default=None), cutoff)):
-            out.refs[name] = keys
-            for sk in keys.items():
-                out.why.setdefault(sk, (f"pipeline {name}", "dropped" if named else "older than --older-than"))
+        if name in drop:
+            out.refs[name] = store.refs(name)
+            for sk in out.refs[name].items():
+                out.why.setdefault(sk, (f"pipeline {name}", "dropped"))
+    return out
+
+
+def last_runs(store: Store, results: list[Result], gone: Forgotten, cutoff: datetime | None) -> list[Kept]:
+    """What each pipeline last ran (refs/) that no result records: runs from before results were recorded,
+    or one stopped between a commit and its record (a result, dropped or not, decides for its own keys).
+    With `cutoff`, only what was committed since."""
+    recorded = {sk for r in results for sk in r.keys.items()}
+    out = []
+    for name in store.ref_names():
+        if name in gone.refs:
+            continue
+        keys = set(store.refs(name).items()) - recorded
+        if cutoff is not None:
+            keys = {sk for sk in keys if not _before(_finished(store, *sk), cutoff)}
+        if keys:
+            out.append(Kept(f"pipeline {name}", "last run (no result recorded)", name, keys))
     return out
 
 
@@ -416,23 +429,23 @@ def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE
        kept: list[Kept] | None = None) -> list[Garbage]:
     """Unreachable or invalid artifacts and work (removed with `force`). Reachable: the current keys of the
     file's pipelines and (keep_refs) every result (stages/engine/results.py: each variant a user ran, each
-    child of a sweep) and what every pipeline that ran on the store last ran (its ref), until it is dropped on
-    purpose (`drop`, `older_than_s`: see `forgotten`; with `force` those records are removed first). Under the
+    child of a sweep) and what a pipeline last ran that no result records (`last_runs`), until it is dropped on
+    purpose (`drop`, `older_than_s`: see `forgotten`; with `force` those records and refs are removed first). Under the
     store-wide gc lock: a run registers its plan under that lock, so every key a live run reads or writes is
     kept, and one that starts during the sweep waits for it. Artifacts committed and work written less than
     `min_age_s` ago are kept. `kept` receives what keeps the rest, with the store's artifacts and bytes."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
     results = read_results(store)
-    gone = forgotten(store, results, list(drop), older_than_s)
+    cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
+    gone = forgotten(store, results, list(drop), cutoff)
     invalid: dict[tuple[str, str], str] = {}
     sources = current_keys(store, graph, pipelines_file, invalid)  # a pipeline that cannot be planned stops gc here
     if keep_refs:
         dropped = {r.id for r in gone.results}
-        sources += [Kept(f"pipeline {n}", "last run", n, set(store.refs(n).items()))
-                    for n in store.ref_names() if n not in gone.refs]
         sources += [Kept(r.group, r.label, r.handle, set(r.keys.items()), r.updated)
                     for r in results if r.id not in dropped]
+        sources += last_runs(store, results, gone, cutoff)
     if force:
         for name in gone.refs:
             store.drop_ref(name)
