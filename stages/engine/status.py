@@ -475,7 +475,7 @@ def _attribute(store: Store, g: Garbage, gone: Forgotten) -> None:
     elif g.kind == "artifact" and (pipeline := (store.read_manifest(g.stage, g.key) or {}).get("pipeline")):
         g.group = f"pipeline {pipeline}"
     else:
-        g.group = "no result (.work)" if g.kind == "work" else "no result"
+        g.group = "stopped runs' scratch (.work)" if g.kind == "work" else "no pipeline recorded"
 
 
 def sized(store: Store, sources: list[Kept], invalid: set[tuple[str, str]]) -> list[Kept]:
