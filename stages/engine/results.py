@@ -81,7 +81,8 @@ class ResultRecorder:
         if o.reason == JOINED:
             return
         if self.known is None:
-            self.known = dict((self.store.result(self.id) or {}).get("keys") or {})
+            keys = (self.store.result(self.id) or {}).get("keys")
+            self.known = dict(keys) if isinstance(keys, dict) else {}
         if self.known.get(o.stage) != o.key:
             self.store.record_result(self.id, self.variant, o.stage, o.key)
             self.known[o.stage] = o.key

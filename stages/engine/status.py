@@ -429,31 +429,34 @@ def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE
        kept: list[Kept] | None = None) -> list[Garbage]:
     """Unreachable or invalid artifacts and work (removed with `force`). Reachable: the current keys of the
     file's pipelines and (keep_refs) every result (stages/engine/results.py: each variant a user ran, each
-    child of a sweep) and what a pipeline last ran that no result records (`last_runs`), until it is dropped on
-    purpose (`drop`, `older_than_s`: see `forgotten`; with `force` those records and refs are removed first). Under the
-    store-wide gc lock: a run registers its plan under that lock, so every key a live run reads or writes is
-    kept, and one that starts during the sweep waits for it. Artifacts committed and work written less than
-    `min_age_s` ago are kept. `kept` receives what keeps the rest, with the store's artifacts and bytes."""
+    child of a sweep) and what a pipeline last ran that no result records (`last_runs`), until it is dropped
+    on purpose (`drop`, `older_than_s`: see `forgotten`; with `force` those records and refs are removed
+    first). Under the store-wide gc lock: a run registers its plan under that lock, so every key a live run
+    reads or writes is kept, and one that starts during the sweep waits for it. Artifacts committed and work
+    written less than `min_age_s` ago are kept. `kept` receives what keeps the rest, with the store's
+    artifacts and bytes."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
-    results = read_results(store)
-    cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
-    gone = forgotten(store, results, list(drop), cutoff)
     invalid: dict[tuple[str, str], str] = {}
     sources = current_keys(store, graph, pipelines_file, invalid)  # a pipeline that cannot be planned stops gc here
-    if keep_refs:
-        dropped = {r.id for r in gone.results}
-        sources += [Kept(r.group, r.label, r.handle, set(r.keys.items()), r.updated)
-                    for r in results if r.id not in dropped]
-        sources += last_runs(store, results, gone, cutoff)
-    if force:
-        for name in gone.refs:
-            store.drop_ref(name)
-        for r in gone.results:
-            store.drop_result(r.id)
+    cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
     with store.lock(GC_LOCK, "gc"):
-        if live := store.live_keys():
+        # the live runs first: one that ends after this wrote its results and refs before it ended
+        live = store.live_keys()
+        results = read_results(store)
+        gone = forgotten(store, results, list(drop), cutoff)
+        if keep_refs:
+            dropped = {r.id for r in gone.results}
+            sources += [Kept(r.group, r.label, r.handle, set(r.keys.items()), r.updated)
+                        for r in results if r.id not in dropped]
+            sources += last_runs(store, results, gone, cutoff)
+        if live:
             sources.append(Kept("live runs", "running", None, live))
+        if force:
+            for name in gone.refs:
+                store.drop_ref(name)
+            for r in gone.results:
+                store.drop_result(r.id)
         garbage = find_garbage(store, set().union(*(k.keys for k in sources)), invalid)
         for g in garbage:
             if _young(store, g, min_age_s):

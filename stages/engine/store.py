@@ -440,7 +440,8 @@ class Store:
         """Set one stage's key in the variant's record (made with `variant`'s fields when new)."""
         with self.lock(f"results-{rid}"):
             record = self.result(rid) or {"id": rid, **variant, "keys": {}}
-            record["keys"] = {**(record.get("keys") or {}), stage: key}
+            keys = record.get("keys")
+            record["keys"] = {**(keys if isinstance(keys, dict) else {}), stage: key}
             record["updated"] = now_iso()
             self.write_result(rid, record)
 

@@ -133,6 +133,15 @@ def test_drop_a_sweep_then_its_own_artifacts_go_and_what_others_share_stays(ran,
         f"error: --drop lrs: no sweep, pipeline or result of that name on store {store} (sweeps: none; "
         "pipelines: tiny-imdb; a result's NAME@ID is in gc's dry run)"]
 
+    # a damaged record stops gc (what it keeps would be a guess): one line, nothing removed
+    (store.root / "results" / "0123456789ab.json").write_text('{"id": "0123456789ab", "keys": []}')
+    before = sorted(store.root.rglob("*"))
+    rc, _, err = inspect(capsys, "gc", "--force", "--min-age", "0")
+    assert rc == 2 and err.strip().splitlines() == [
+        f"error: store {store}: results/0123456789ab.json is not a result record (pipeline: Field required); "
+        "delete it (gc then no longer keeps what that run made) or restore it"]
+    assert sorted(store.root.rglob("*")) == before
+
 
 def test_older_than_forgets_the_results_last_made_before_that_age(ran, store, capsys):
     _, children, variant = ran
