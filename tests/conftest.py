@@ -92,6 +92,9 @@ SLOW = {
         "test_a_stopped_run_crashes_and_stops_its_temporary_server",
         "test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed",
     ),
+    "tests/flows/test_gc_results.py": (
+        "test_gc_force_keeps_every_child_of_a_sweep_and_a_set_variant",
+    ),
     "tests/flows/test_server_home.py": (
         "test_a_command_line_run_appears_in_the_server_the_readme_starts",
     ),

@@ -86,13 +86,14 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
     a process of its own, or (on_workers) as a run of the `finetune/<pipeline>` deployment that a work pool's
     worker picks up; its outcome is the flow run's final state. `env`: the child's MLflow run name and parent."""
     params = {"pipeline": run.cfg.name, "overrides": run.overrides, "config": config}
+    env = {SWEEP_ENV: sweep_name, **(env or {})}  # its results are the sweep's (gc keeps them until it is dropped)
     if on_workers:
         from prefect.deployments import run_deployment
 
         default = config == str(DEFAULT_PIPELINE_FILE)  # a worker reads its own checkout's pipeline.yaml
         fr: Any = run_deployment(f"finetune/{run.cfg.name}", parameters={**params, "config": None if default else config},
                                  flow_run_name=f"{sweep_name}: {run.label}", tags=["sweep", sweep_name], timeout=None,
-                                 job_variables={"env": env} if env else None, poll_interval=DEPLOYMENT_POLL_S)
+                                 job_variables={"env": env}, poll_interval=DEPLOYMENT_POLL_S)
         return _outcome(run, fr.name, fr.state, None)
     parent = TaskRunContext.get().task_run.id
     with get_client(sync_client=True) as client:
@@ -106,7 +107,7 @@ def run_child(sweep_name: str, run: Run, config: str, api_url: str, on_workers: 
         # a context without the parent's settings: the child reaches the same API through PREFECT_API_URL
         proc = run_flow_in_subprocess(finetune, flow_run=child, parameters=params,
                                       context={"tags_context": {"current_tags": ["sweep", sweep_name]}},
-                                      env={"PREFECT_API_URL": api_url, **(env or {})})
+                                      env={"PREFECT_API_URL": api_url, **env})
         _CHILDREN.add(proc)
     try:
         proc.join()

@@ -5,7 +5,7 @@ is not imported, no stage runs).
     finetune inspect show PIPELINE STAGE       the stage's manifest (JSON)
     finetune inspect path PIPELINE STAGE       the stage's artifact folder
     finetune inspect verify [PIPELINE] [--quarantine] [--json]   every file against its manifest's sha256
-    finetune inspect gc [--force] [--drop PIPELINE] [--current-only] [--min-age MINUTES] [--json]
+    finetune inspect gc [--force] [--drop NAME] [--older-than AGE] [--current-only] [--min-age MINUTES] [--json]
     finetune inspect compare --sweep NAME | PIPELINE --grid KEY=V1,V2 [--set ...] [--json | --csv]
     finetune inspect diff A [B] [--set KEY=VALUE (B)] [--set-a KEY=VALUE (A)] [--json]
     finetune inspect runs [PIPELINE] [--sweep NAME] [--json | --csv]
@@ -13,8 +13,9 @@ is not imported, no stage runs).
 `status` lists each stage's current key and whether it is cached, stale (an artifact of an earlier
 config/code/library exists; the lines under it say what changed, in `dvc status` words) or missing.
 Exit codes: status 0 when every stage is cached, 1 when one is stale or missing; show/path 1 when the
-stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists the artifacts no pipeline's
-current keys reach (dry run) and removes them with --force. `compare` ranks a sweep's variants from the
+stage has no artifact; 2 for a bad pipeline name, stage or --set. `gc` lists what it keeps (the file's current
+keys, every result a user ran: sweeps' children, --set variants; stages/engine/results.py) by pipeline and sweep,
+and what no longer reaches (dry run), and removes that with --force. `compare` ranks a sweep's variants from the
 store (flows/reports/comparison.py; exit 1 while a run has no results for the current code); `diff` says which stages
 two configs share, which differ and why, and their params and metrics side by side (exit 1 when a stage
 differs). `runs` lists every run the store saw (flows/reports/runs.py).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from flows.reports import comparison, config_diff, runs
@@ -37,7 +39,7 @@ from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.remote_store import open_store
 from stages.engine.schema import PipelineConfig
-from stages.engine.status import CACHED, MISSING, StageStatus, find, gc, pipeline_status
+from stages.engine.status import CACHED, MISSING, Garbage, Kept, StageStatus, find, gc, pipeline_status
 from stages.engine.store import Store
 from stages.engine.units import human_bytes
 from stages.graph import GRAPH
@@ -91,12 +93,16 @@ def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentPars
     pipeline_args(sh, stage=True)
     pa = sub.add_parser("path", help="print a stage's artifact folder")
     pipeline_args(pa, stage=True)
-    g = sub.add_parser("gc", help="artifacts that no pipeline's current keys reach (dry run unless --force)")
+    g = sub.add_parser("gc", help="artifacts that no pipeline's current keys and no result reach (dry run "
+                       "unless --force); lists what it keeps, by pipeline and sweep")
     g.add_argument("--force", "-f", action="store_true", help="remove them (default: only list)")
-    g.add_argument("--drop", action="append", default=[], metavar="PIPELINE", help="forget what this pipeline "
-                   "last ran (repeatable): by default gc keeps, besides the current keys of the file's pipelines, "
-                   "what every pipeline that ran on the store last ran (refs/), a --set variant or a pipeline of "
-                   "your own file included")
+    g.add_argument("--drop", action="append", default=[], metavar="NAME", help="forget results (repeatable): a "
+                   "sweep's name (every child of it), a pipeline's (its last run and its own runs, --set variants "
+                   "included), or one result's NAME@ID from the dry run. By default gc keeps, besides the current "
+                   "keys of the file's pipelines, every result: each child of every sweep, each --set variant, "
+                   "the pipelines of your own files, whatever file gc is given")
+    g.add_argument("--older-than", metavar="AGE", help="forget the results last made longer ago than "
+                   "AGE (30d, 12h, 90m, 2w); the file's current keys are kept whatever their age")
     g.add_argument("--current-only", action="store_true", help="keep only the current keys of the file's "
                    "pipelines (what earlier releases did; --keep-refs was the opposite)")
     g.add_argument("--min-age", type=float, default=10.0, metavar="MINUTES", help="keep artifacts committed and "
@@ -253,24 +259,36 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
     return 1
 
 
+AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def age(text: str) -> float:
+    """`--older-than 30d` -> seconds (s, m, h, d, w)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if not m:
+        raise ConfigError(f"--older-than {text}: write a number and a unit, e.g. 30d, 12h, 90m, 2w")
+    return float(m.group(1)) * AGE_UNITS[m.group(2)]
+
+
 def cmd_gc(args: argparse.Namespace, store: Store) -> int:
+    kept: list[Kept] = []
+    older_than = None if args.older_than is None else age(args.older_than)
     garbage = gc(store, GRAPH, args.config, force=args.force, keep_refs=not args.current_only,
-                 min_age_s=args.min_age * 60, drop=args.drop)
+                 min_age_s=args.min_age * 60, drop=args.drop, older_than_s=older_than, kept=kept)
     total = sum(g.size_bytes for g in garbage)
     if args.json:
         print(json.dumps({"store": str(store), "dry_run": not args.force, "total_bytes": total,
-                          "items": [g.__dict__ for g in garbage]}, indent=2))
+                          "items": [g.__dict__ for g in garbage], "kept": [k.to_json() for k in kept]}, indent=2))
         return 0
+    print(f"store {store}")
+    print(render_kept(kept))
     if not garbage:
-        print(f"store {store}: every artifact is reachable from a pipeline's current keys; nothing to remove")
+        print("nothing to remove: every artifact is kept")
         return 0
-    rows = [["kind", "stage", "key", "size", "note" if not args.force else "result"]]
-    for g in garbage:
-        result = ("removed" if g.removed else g.note) if args.force else g.note
-        rows.append([g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes), result])
-    print(render_table(rows))
+    print(("removed:" if args.force else "would remove:") + "\n" + render_garbage(garbage, args.force))
     # the dry run's selection, repeated in the command it prints
     selection = [*(a for n in args.drop for a in ("--drop", n)), *(["--current-only"] if args.current_only else []),
+                 *(["--older-than", args.older_than] if args.older_than is not None else []),
                  *(["--min-age", f"{args.min_age:g}"] if args.min_age != 10.0 else [])]
     if args.force:
         freed = sum(g.size_bytes for g in garbage if g.removed)
@@ -280,3 +298,48 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
               f"({command('flows.inspect', 'gc', '--force', *selection, config=args.config)} to remove)")
     return 0
 
+
+def render_kept(kept: list[Kept]) -> str:
+    """What gc keeps, by pipeline and sweep: each group's artifacts and bytes (an artifact two groups share counts
+    in each, once in the total), a pipeline's reasons one per line, a sweep's results as one line. What holds
+    no artifact here (a pipeline of the file never run) is left out."""
+    groups: dict[str, list[Kept]] = {}
+    for k in kept:
+        if k.held:
+            groups.setdefault(k.group, []).append(k)
+    rows = [["kept", "artifacts", "size", "last made", "drop with"]]
+    for name, ks in groups.items():
+        held = {sk: n for k in ks for sk, n in k.held.items()}
+        kind, _, label = name.partition(" ")
+        drop = label if any(k.drop for k in ks) and kind in ("sweep", "pipeline") else ""
+        last = max((k.updated for k in ks if k.updated), default=None)
+        rows.append([name + (f" ({len(ks)} runs)" if kind == "sweep" else ""), str(len(held)),
+                     human_bytes(sum(held.values())), local_time(last) if kind == "sweep" else "",
+                     f"--drop {drop}" if drop else ""])
+        if kind == "pipeline":
+            rows += [[f"  {k.what}", str(len(k.held)), human_bytes(k.size_bytes),
+                      local_time(k.updated) if k.updated else "",
+                      f"--drop {k.drop}" if k.drop and k.drop != drop else ""] for k in ks]
+    everything = {sk: n for k in kept for sk, n in k.held.items()}
+    return (f"keeps {len(everything)} artifacts, {human_bytes(sum(everything.values()))}: the file's current "
+            f"configs, every result until dropped by name or age, live runs\n" + render_table(rows))
+
+
+def render_garbage(garbage: list[Garbage], force: bool) -> str:
+    """The items, grouped by what they belonged to, each group under a line with its count and bytes."""
+    order: dict[str, list[Garbage]] = {}
+    for g in garbage:
+        order.setdefault(g.group, []).append(g)
+    rows = [["kind", "stage", "key", "size", "result" if force else "note"]]
+    heads: dict[int, str] = {}
+    for group, items in order.items():
+        heads[len(rows)] = f"{group}: {len(items)}, {human_bytes(sum(g.size_bytes for g in items))}"
+        rows += [[g.kind, g.stage, g.key[:12], human_bytes(g.size_bytes),
+                  ("removed" if g.removed else g.note) if force else g.note] for g in items]
+    table = render_table(rows).splitlines()
+    out = ["  " + table[0]]
+    for i, line in enumerate(table[1:], start=1):
+        if i in heads:
+            out.append(heads[i])
+        out.append("  " + line)
+    return "\n".join(out)

@@ -46,7 +46,7 @@ from stages.engine.lease import KeysLease, Lease
 from stages.engine.lease import alive as lease_alive
 from stages.engine.names import name_problem
 from stages.engine.paths import cache_dir
-from stages.engine.store import MANIFEST, StageKey, Store, log, manifest_problems, now_iso
+from stages.engine.store import MANIFEST, RESULTS, StageKey, Store, log, manifest_problems, now_iso
 
 POLL_S = 0.5
 
@@ -197,7 +197,7 @@ class RemoteStore(Store):
             return
         for stage_dir in sorted(self.fs.ls(self.base, detail=False)):
             name = stage_dir.rstrip("/").rsplit("/", 1)[-1]
-            if name.startswith(".") or name in ("refs", "events") or not self.fs.isdir(stage_dir):
+            if name.startswith(".") or name in ("refs", "events", RESULTS) or not self.fs.isdir(stage_dir):
                 continue
             for key_dir in sorted(self.fs.ls(stage_dir, detail=False)):
                 key = key_dir.rstrip("/").rsplit("/", 1)[-1]
@@ -396,6 +396,35 @@ class RemoteStore(Store):
             refs = self.refs(pipeline)
             refs[stage] = key
             self.fs.pipe_file(self._r("refs", f"{pipeline}.json"), json.dumps(refs, indent=2).encode())
+
+    def results(self) -> list[tuple[str, Any]]:
+        folder = self._r(RESULTS)
+        if not self.fs.exists(folder):
+            return []
+        out: list[tuple[str, Any]] = []
+        for path in sorted(p for p in self.fs.ls(folder, detail=False) if p.endswith(".json")):
+            rid = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".json")
+            try:
+                out.append((rid, json.loads(self.fs.cat_file(path))))
+            except FileNotFoundError:  # dropped since the listing
+                continue
+            except (OSError, ValueError):
+                out.append((rid, None))
+        return out
+
+    def result(self, rid: str) -> dict[str, Any] | None:
+        try:
+            record = json.loads(self.fs.cat_file(self._r(RESULTS, f"{rid}.json")))
+        except (OSError, ValueError, FileNotFoundError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def write_result(self, rid: str, record: dict[str, Any]) -> None:
+        self.fs.pipe_file(self._r(RESULTS, f"{rid}.json"), json.dumps(record, indent=2, sort_keys=True).encode())
+
+    def drop_result(self, rid: str) -> None:
+        with self.lock(f"results-{rid}"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._r(RESULTS, f"{rid}.json"))
 
     def log_event(self, **event: Any) -> None:
         record = {"time": now_iso(), "pid": os.getpid(), "host": socket.gethostname(), **event}

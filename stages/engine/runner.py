@@ -16,6 +16,7 @@ from typing import cast
 
 from stages.engine.errors import DiskFullError, MissingInputError, is_disk_full
 from stages.engine.plan import FORCE, Plan, Planned
+from stages.engine.results import ResultRecorder
 from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
@@ -122,6 +123,7 @@ class Execution:
         self.failed = False
         self.record = RunRecord(records_root(store), plan.cfg.name, plan.cfg.overrides, plan.selection(),
                                 [s.name for s in plan.graph if s.reports])
+        self.results = ResultRecorder(store, plan.cfg.name, plan.cfg.overrides)  # what gc keeps until dropped
         self.tracking = RunTracking.start(plan.cfg, {"finetune.run_record": self.record.data["id"],
                                                      "finetune.store": str(store), **(tags or {})})
         self._moved_before = store.transfers()
@@ -151,6 +153,7 @@ class Execution:
         self.done[outcome.stage] = outcome
         self.outcomes.append(outcome)
         self.record.stage(outcome)
+        self.results.stage(outcome)
         if self.tracking is not None:
             if not outcome.computed and outcome.reason != JOINED:  # tracking logs its files: here, downloaded
                 self.store.materialize(outcome.stage, outcome.key, outcome.manifest.get("digest"))

@@ -1,7 +1,7 @@
 """What the store holds for a pipeline, without running anything (no Prefect either): each stage's
 current key and whether it is `cached`, `stale` (an artifact of an earlier config, code or library
 exists, and we say which input changed, in `dvc status` words) or `missing`; and `gc`, which finds the
-artifacts that no pipeline's current keys reach.
+artifacts that no pipeline's current keys, no result a user ran and no live run reach.
 
 The baseline a stale stage is compared with is the artifact the pipeline last used (refs/<pipeline>.json),
 else the newest artifact of that stage made by the same pipeline.
@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
+from stages.engine.results import Result, read_results
 from stages.engine.store import GC_LOCK, TMP_NAME, Lookup, StageKey, Store, folder_size
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
@@ -253,7 +254,7 @@ def find(statuses: list[StageStatus], stage: str) -> StageStatus:
 
 @dataclass
 class Garbage:
-    kind: str  # artifact / work
+    kind: str  # artifact / work / tmp
     stage: str
     key: str
     path: str
@@ -261,17 +262,38 @@ class Garbage:
     removed: bool = False
     note: str = ""
     young: bool = False  # inside gc's grace period: listed, never removed
+    group: str = ""  # what it belonged to: `sweep NAME` / `pipeline NAME` (a dropped result, or its manifest's)
 
 
-def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
-                   keep_refs: bool = True, invalid: dict[tuple[str, str], str] | None = None,
-                   skip_refs: set[str] | None = None) -> set[tuple[str, str]]:
+@dataclass
+class Kept:
+    """One reason gc keeps artifacts: a pipeline's current config in the file, what a pipeline last ran
+    (refs/), a result (results/: a run as the file has it, a --set variant, a sweep's child), live runs."""
+
+    group: str  # `pipeline NAME`, `sweep NAME`, `live runs`
+    what: str  # `current config`, `last run`, a result's --set list, `running`
+    drop: str | None  # the `gc --drop` argument that forgets it (None: kept while the file or the run has it)
+    keys: set[tuple[str, str]] = field(default_factory=set)
+    updated: str | None = None  # a result's: when it last recorded a key
+    held: dict[tuple[str, str], int] = field(default_factory=dict)  # of `keys`, the store's valid artifacts: bytes
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(self.held.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "what": self.what, "drop": self.drop, "updated": self.updated,
+                "artifacts": len(self.held), "size_bytes": self.size_bytes}
+
+
+def current_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE,
+                 invalid: dict[tuple[str, str], str] | None = None) -> list[Kept]:
     """(stage, key) of every stage of every pipeline in the file, for its current config. A pipeline
     that cannot be planned stops gc: deleting what it might reach would be a guess. `invalid` collects the
     reachable artifacts the hit rule rejects on their own files (corrupt, a malformed manifest): the next
     run recomputes them whatever gc does. One made from changed upstream content stays reachable until the
     next run replaces it (status shows it stale)."""
-    keep: set[tuple[str, str]] = set()
+    out = []
     for name in pipeline_names(Path(pipelines_file)):
         try:
             plan = graph.plan(load_pipeline(name, None, pipelines_file), store, pinned=False)
@@ -279,7 +301,7 @@ def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFA
         except FinetuneError as e:
             raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \
                 from None
-        keep |= {(i.key.stage, i.key.key) for i in items}
+        keep = {(i.key.stage, i.key.key) for i in items}
         if invalid is not None:
             found = lookups(plan, store)
             invalid.update({(i.key.stage, i.key.key): found[i.name].why for i in items
@@ -290,10 +312,76 @@ def reachable_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFA
         if unknown:
             keep |= {(stage, key) for stage, key, _ in store.entries() if stage in unknown
                      and (store.read_manifest(stage, key) or {}).get("pipeline") == name}
-    if keep_refs:  # what each pipeline that ran here last ran, in this file or not
-        for name in set(store.ref_names()) - (skip_refs or set()):
-            keep |= set(store.refs(name).items())
-    return keep
+        out.append(Kept(f"pipeline {name}", "current config", None, keep))
+    return out
+
+
+@dataclass
+class Forgotten:
+    """What a gc forgets on purpose: results and refs named by --drop or older than --older-than."""
+
+    results: list[Result] = field(default_factory=list)
+    refs: dict[str, dict[str, str]] = field(default_factory=dict)  # pipeline -> its refs (read before dropping)
+    why: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (stage, key) -> (group, why)
+
+
+def forgotten(store: Store, results: list[Result], drop: list[str], cutoff: datetime | None) -> Forgotten:
+    """The results and refs `--drop NAME` names (a sweep: its children; a pipeline: its last run and its own
+    results, --set variants included, not its sweeps'; NAME@ID: one result), and the results that last
+    recorded a key before `cutoff` (--older-than)."""
+    refs = store.ref_names()
+    sweeps = {r.sweep for r in results if r.sweep}
+    pipelines = set(refs) | {r.pipeline for r in results if not r.sweep}
+    if unknown := [n for n in drop if n not in sweeps | pipelines | {r.handle for r in results}]:
+        raise ConfigError(f"--drop {unknown[0]}: no sweep, pipeline or result of that name on store {store} "
+                          f"(sweeps: {', '.join(sorted(sweeps)) or 'none'}; pipelines: "
+                          f"{', '.join(sorted(pipelines)) or 'none'}; a result's NAME@ID is in gc's dry run)")
+    out = Forgotten()
+    for r in results:
+        named = r.sweep in drop or (not r.sweep and r.pipeline in drop) or r.handle in drop
+        if named or (cutoff is not None and _before(r.updated, cutoff)):
+            out.results.append(r)
+            for sk in r.keys.items():
+                out.why.setdefault(sk, (r.group, "dropped" if named else "older than --older-than"))
+    for name in refs:
+        if name in drop:
+            out.refs[name] = store.refs(name)
+            for sk in out.refs[name].items():
+                out.why.setdefault(sk, (f"pipeline {name}", "dropped"))
+    return out
+
+
+def last_runs(store: Store, results: list[Result], gone: Forgotten, cutoff: datetime | None) -> list[Kept]:
+    """What each pipeline last ran (refs/) that no result records: runs from before results were recorded,
+    or one stopped between a commit and its record (a result, dropped or not, decides for its own keys).
+    With `cutoff`, only what was committed since."""
+    recorded = {sk for r in results for sk in r.keys.items()}
+    out = []
+    for name in store.ref_names():
+        if name in gone.refs:
+            continue
+        keys = set(store.refs(name).items()) - recorded
+        if cutoff is not None:
+            keys = {sk for sk in keys if not _before(_finished(store, *sk), cutoff)}
+        if keys:
+            out.append(Kept(f"pipeline {name}", "last run (no result recorded)", name, keys))
+    return out
+
+
+def _finished(store: Store, stage: str, key: str) -> str:
+    return str((store.read_manifest(stage, key) or {}).get("finished_at") or "")
+
+
+def _before(stamp: str | None, cutoff: datetime) -> bool:
+    """Whether an ISO time is before cutoff. No time at all (a ref none of whose artifacts is left: nothing
+    to keep) is; one that does not parse is not (kept)."""
+    if not stamp:
+        return True
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return False
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)) < cutoff
 
 
 def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[str, str], str] | None = None) \
@@ -337,32 +425,72 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
 
 
 def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE_FILE, *, force: bool = False,
-       keep_refs: bool = True, min_age_s: float = 0.0, drop: Iterable[str] = ()) -> list[Garbage]:
+       keep_refs: bool = True, min_age_s: float = 0.0, drop: Iterable[str] = (), older_than_s: float | None = None,
+       kept: list[Kept] | None = None) -> list[Garbage]:
     """Unreachable or invalid artifacts and work (removed with `force`). Reachable: the current keys of the
-    file's pipelines and (keep_refs) what every pipeline that ran on the store last ran (its ref; a user's own
-    pipeline file is not needed to keep its work), until it is dropped on purpose (`drop`: those pipelines'
-    refs are removed first, with `force`). Under the store-wide gc lock: a run registers its plan under that
-    lock, so every key a live run reads or writes is kept, and one that starts during the sweep waits for it.
-    Artifacts committed and work written less than `min_age_s` ago are kept."""
+    file's pipelines and (keep_refs) every result (stages/engine/results.py: each variant a user ran, each
+    child of a sweep) and what a pipeline last ran that no result records (`last_runs`), until it is dropped
+    on purpose (`drop`, `older_than_s`: see `forgotten`; with `force` those records and refs are removed
+    first). Under the store-wide gc lock: a run registers its plan under that lock, so every key a live run
+    reads or writes is kept, and one that starts during the sweep waits for it. Artifacts committed and work
+    written less than `min_age_s` ago are kept. `kept` receives what keeps the rest, with the store's
+    artifacts and bytes."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
-    dropped = list(drop)
-    unknown = [n for n in dropped if n not in store.ref_names()]
-    if unknown:
-        raise ConfigError(f"--drop {unknown[0]}: no pipeline of that name ran on store {store} (pipelines with "
-                          f"refs: {', '.join(store.ref_names()) or 'none'})")
-    if force:
-        for name in dropped:
-            store.drop_ref(name)
     invalid: dict[tuple[str, str], str] = {}
-    keep = reachable_keys(store, graph, pipelines_file, keep_refs, invalid, skip_refs=set(dropped))
+    sources = current_keys(store, graph, pipelines_file, invalid)  # a pipeline that cannot be planned stops gc here
+    cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
     with store.lock(GC_LOCK, "gc"):
+        # the live runs first: one that ends after this wrote its results and refs before it ended
         live = store.live_keys()
-        garbage = find_garbage(store, keep | live, invalid)
+        results = read_results(store)
+        gone = forgotten(store, results, list(drop), cutoff)
+        if keep_refs:
+            dropped = {r.id for r in gone.results}
+            sources += [Kept(r.group, r.label, r.handle, set(r.keys.items()), r.updated)
+                        for r in results if r.id not in dropped]
+            sources += last_runs(store, results, gone, cutoff)
+        if live:
+            sources.append(Kept("live runs", "running", None, live))
+        if force:
+            for name in gone.refs:
+                store.drop_ref(name)
+            for r in gone.results:
+                store.drop_result(r.id)
+        garbage = find_garbage(store, set().union(*(k.keys for k in sources)), invalid)
         for g in garbage:
             if _young(store, g, min_age_s):
                 g.young, g.note = True, f"newer than {min_age_s / 60:g} min; kept (--min-age)"
-        return remove_garbage(store, garbage) if force else garbage
+            _attribute(store, g, gone)
+        out = remove_garbage(store, garbage) if force else garbage
+    if kept is not None:
+        kept.extend(sized(store, sources, set(invalid)))
+    return out
+
+
+def _attribute(store: Store, g: Garbage, gone: Forgotten) -> None:
+    """Name what an item belonged to: the dropped result or ref that kept it, else its manifest's pipeline."""
+    if g.kind == "tmp":
+        g.group = "dead runs (.tmp)"
+    elif (g.stage, g.key) in gone.why:
+        g.group, why = gone.why[g.stage, g.key]
+        g.note = g.note or why
+    elif g.kind == "artifact" and (pipeline := (store.read_manifest(g.stage, g.key) or {}).get("pipeline")):
+        g.group = f"pipeline {pipeline}"
+    else:
+        g.group = "stopped runs' scratch (.work)" if g.kind == "work" else "no pipeline recorded"
+
+
+def sized(store: Store, sources: list[Kept], invalid: set[tuple[str, str]]) -> list[Kept]:
+    """Each source with the sizes of the valid artifacts of its keys that the store holds."""
+    present = {(s, k) for s, k, _ in store.entries()} - invalid
+    sizes: dict[tuple[str, str], int] = {}
+    for k in sources:
+        for sk in sorted(k.keys & present):
+            if sk not in sizes:
+                sizes[sk] = store.size(*sk)
+            k.held[sk] = sizes[sk]
+    return sources
 
 
 def _young(store: Store, g: Garbage, min_age_s: float) -> bool:

@@ -9,6 +9,7 @@ Layout under the root (default `artifacts/`):
   .work/<stage>-<key>/     a stage's scratch that survives a crash (training checkpoints), so a
                            rerun of the same key resumes; removed once the artifact is committed
   refs/<pipeline>.json     the keys a pipeline last used, per stage (for status and gc)
+  results/<id>.json        a variant a user ran (pipeline, --set list, sweep) and its keys: gc keeps them
   events.jsonl             one line per stage outcome (computed / cached / recomputed and why)
 
 A stage is written to .tmp, its files hashed into manifest.json (written last), and the folder renamed
@@ -57,6 +58,7 @@ from stages.engine.stage import loaded
 log = logging.getLogger("finetune.store")
 MANIFEST = "manifest.json"
 GC_LOCK = "gc"  # the store-wide lock: gc's sweep, a run's registration
+RESULTS = "results"  # results/<id>.json: what gc keeps until dropped (stages/engine/results.py)
 TMP_NAME = re.compile(r"(?P<stage>\w+)-(?P<key>[0-9a-f]{64})-\d+-[0-9a-f]{8}")  # .tmp/<stage>-<key>-<pid>-<id>
 
 
@@ -320,7 +322,7 @@ class Store:
         if not self.root.is_dir():
             return
         for stage_dir in sorted(self.root.iterdir()):
-            if stage_dir.name.startswith(".") or stage_dir.name == "refs" or not stage_dir.is_dir():
+            if stage_dir.name.startswith(".") or stage_dir.name in ("refs", RESULTS) or not stage_dir.is_dir():
                 continue
             for key_dir in sorted(stage_dir.iterdir()):
                 if key_dir.is_dir() and len(key_dir.name) == 64:
@@ -407,6 +409,41 @@ class Store:
             refs = self.refs(pipeline)
             refs[stage] = key
             write_json_atomic(self.root / "refs" / f"{pipeline}.json", refs)
+
+    # ------------------------------------------------------------ results (stages/engine/results.py)
+    def results(self) -> list[tuple[str, Any]]:
+        """(id, parsed JSON or None when unreadable) of every record under results/."""
+        folder = self.root / RESULTS
+        out: list[tuple[str, Any]] = []
+        for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                out.append((p.stem, json.loads(p.read_text())))
+            except (OSError, ValueError):
+                out.append((p.stem, None))
+        return out
+
+    def result(self, rid: str) -> dict[str, Any] | None:
+        try:
+            record = json.loads((self.root / RESULTS / f"{rid}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def write_result(self, rid: str, record: dict[str, Any]) -> None:
+        write_json_atomic(self.root / RESULTS / f"{rid}.json", record)
+
+    def drop_result(self, rid: str) -> None:
+        with self.lock(f"results-{rid}"), contextlib.suppress(FileNotFoundError):
+            (self.root / RESULTS / f"{rid}.json").unlink()
+
+    def record_result(self, rid: str, variant: dict[str, Any], stage: str, key: str) -> None:
+        """Set one stage's key in the variant's record (made with `variant`'s fields when new)."""
+        with self.lock(f"results-{rid}"):
+            record = self.result(rid) or {"id": rid, **variant, "keys": {}}
+            keys = record.get("keys")
+            record["keys"] = {**(keys if isinstance(keys, dict) else {}), stage: key}
+            record["updated"] = now_iso()
+            self.write_result(rid, record)
 
     def log_event(self, **event: Any) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -125,9 +125,13 @@ def test_on_s3_a_cached_run_on_a_fresh_worker_downloads_no_payload(s3_endpoint, 
     assert payload(tmp_path / "b") == []
     moved = read_runs(records_root(fresh))[-1]["transfers"]
     refs = len(store.fs.cat_file(store._r("refs", "tiny-imdb.json")))
-    # what it read: each stage's manifest once, the refs it checks (a cached rerun writes none) and its own
-    # two leases (the gc lock's, its plan's) before deleting them: a few hundred bytes
-    assert 0 <= moved["get_bytes"] - (manifests + len(first) * refs) < 1000, (moved, manifests, refs)
+    (record,) = store.fs.ls(store._r("results"), detail=False)  # the run's result (stages/engine/results.py)
+    result = len(store.fs.cat_file(record))
+    assert [(r["set"], sorted(r["keys"].items())) for _, r in fresh.results()] == [
+        (list(SMALL), sorted((s, o.key) for s, o in first.items()))]
+    # what it read: each stage's manifest once, the refs it checks and its result record once (a cached rerun
+    # writes neither) and its own two leases (the gc lock's, its plan's) before deleting them: a few hundred bytes
+    assert 0 <= moved["get_bytes"] - (manifests + len(first) * refs + result) < 1000, (moved, manifests, refs, result)
     assert moved["get_bytes"] < size / 10 and moved["put"] == 2 + len(first)  # leases of the run, events
 
 

@@ -199,13 +199,16 @@ def test_shared_fsspec_store(env, tmp_path, monkeypatch, capsys):
     assert by["data"]["status"] == by["tokenize"]["status"] == "cached" and by["model"]["status"] == "missing"
     assert by["tokenize"]["path"] == f"{url}/tokenize/{by['tokenize']['key']}"
 
-    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")  # the pipeline's last run (its ref) kept
+    # each run is a result, recorded in the shared store itself: gc on any machine keeps both
+    assert sorted(r["set"] for _, r in store.results()) == [[], ["tokenize.max_length=64"]]
+    assert len(store.fs.ls(store._r("results"))) == 2
+    rc, out = inspect(capsys, "gc", "--config", str(config), "--json")
     assert json.loads(out)["items"] == []
     rc, out = inspect(capsys, "gc", "--config", str(config), "--current-only", "--json")
     assert [(g["stage"], g["key"]) for g in json.loads(out)["items"]] == [("tokenize", orphan)]
     rc, out = inspect(capsys, "gc", "--config", str(config), "--drop", PIPELINE, "--force", "--min-age", "0")
     assert "removed 1 of 1" in out and store.problems("tokenize", orphan) == ["not in store"]
-    assert store.ref_names() == []  # dropped on the shared store
+    assert store.ref_names() == [] and store.results() == []  # dropped on the shared store
     assert store.problems("tokenize", by["tokenize"]["key"]) == []
 
 

@@ -197,6 +197,12 @@ def test_parallel_children_share_stages_through_the_store_lock_then_compare_and_
         lr = float(r.data.params["train.lr"])
         assert r.data.metrics["evaluate.splits.test.accuracy"] == by[lr]["mean"]
 
+    # each child is a result of the sweep (its process got FINETUNE_SWEEP): gc --force keeps both variants
+    assert sorted(r["sweep"] for _, r in Store(store_dir).results()) == ["lr-pair", "lr-pair"]
+    assert inspect_main(["gc", "--force", "--min-age", "0", "--config", str(config)]) == 0
+    kept = compare.compare(named_sweep("lr-pair", config), Store(store_dir))
+    assert [v.status() for v in kept.variants] == [compare.DONE, compare.DONE]
+
 
 @needs_shared_data
 def test_compare_lists_runs_not_yet_run_and_stale_results(config, store_dir, capsys):
