@@ -143,8 +143,8 @@ def command_reproduces(out: dict, name: str) -> list[str]:
     same keys for every stage. Returns its --set values."""
     ex = out["export"].path
     card = (ex / "README.md").read_text()
-    line = next(ln for ln in card.splitlines() if ln.startswith("python -m flows.finetune "))
-    argv = shlex.split(line)[3:]
+    line = next(ln for ln in card.splitlines() if ln.startswith("finetune run "))
+    argv = shlex.split(line)[2:]
     assert argv[0] == name and argv[1:3] == ["--config", "finetune_pipeline.yaml"]
     sets = [argv[i + 1] for i in range(3, len(argv), 2) if argv[i] == "--set"]
     keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets, ex / argv[2]))}
