@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.serve") -> 
             raise ConfigError(f"--limit {args.limit}: must be >= 1 (flow runs at once)")
         if not 0 <= args.wait < math.inf:
             raise ConfigError(f"--wait {args.wait:g}: must be a finite number of seconds >= 0")
-        # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then serve_stop.py stops serving
-        # within seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited
-        # ignored.
+        # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then serve_stop.py stops serving within
+        # seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _interrupt)
         available = pipeline_names(args.config) + sweep_names(args.config)

@@ -438,8 +438,8 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
                 want = f"{BOUNDS[kind]} {int(bound) if isinstance(bound, float) and bound.is_integer() else bound}"
             else:  # an integer too large for pydantic to parse: past any upper bound of the field
                 want = _upper_bound(loc) or "a smaller integer"
-            hint = _fix(loc) if want.startswith(("<", "a smaller")) else None  # the fix of a value too large
-            msg = f"must be {want}, got {got!r}" + (f"; {hint}" if hint else "")
+            too_large = kind in ("less_than", "less_than_equal", "int_parsing_size")
+            msg = f"must be {want}, got {got!r}" + (f"; {hint}" if too_large and (hint := _fix(loc)) else "")
         elif kind == "finite_number":
             msg = f"must be a finite number, got {got!r}"
         elif kind == "literal_error":

@@ -30,8 +30,8 @@ RESUME_FILE = "resume.json"
 
 # Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found). exact_match before
 # the ROUGE scores: a chat run's short answers (evaluate.metrics [exact_match, rouge]) are judged by it first.
-HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "val_loss",
-            "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
+HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum",
+            "loss", "val_loss", "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
             "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
 MAX_HEADLINE = 4
 
