@@ -221,9 +221,10 @@ def non_defaults(section: Any) -> dict[str, Any]:
     return out
 
 
-def command(name: str, sets: list[str], module: str = "flows.finetune") -> str:
-    args = ["python", "-m", module, name, "--config", PIPELINE_YAML] + [a for s in (sets or []) for a in ("--set", s)]
-    return " ".join(shlex.quote(a) for a in args)
+def command(name: str, sets: list[str], *extra: str) -> str:
+    """`finetune run` of this pipeline from the exported pipeline file, named as it sits beside the command."""
+    return shlex.join(["finetune", "run", name, "--config", PIPELINE_YAML, *(a for s in sets or [] for a in ("--set", s)),
+                       *extra])
 
 
 def lineage(ctx: StageContext) -> dict[str, str]:
@@ -341,18 +342,18 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     lines += ["With torch, transformers" + (" and peft" if fmt == "adapter" else "") + " installed, from this folder:",
               "", "```python", usage_snippet(task, fmt, sections["tokenize"]["prefix"], bool(chat)), "```", ""]
     if chat:
-        lines += ["Or from the finetune project, batched: `python -m flows.predict FOLDER --chat \"a question\" "
+        lines += ["Or with finetune installed, batched: `finetune predict FOLDER --chat \"a question\" "
                   "[--system \"...\"]`, or `--file conversations.jsonl --messages-column messages` (each line a "
                   "conversation ending in a user turn) `--out answers.jsonl`.", ""]
     else:
-        lines += ["Or on a text file, batched: `python -m flows.predict FOLDER --file texts.csv "
-                  "--out predictions.jsonl` (from the finetune project).", ""]
-    lines += ["## Reproduce", "", f"From the finetune project's root, with `{PIPELINE_YAML}` copied there:", "",
+        lines += ["Or on a text file, batched: `finetune predict FOLDER --file texts.csv "
+                  "--out predictions.jsonl` (with finetune installed).", ""]
+    lines += ["## Reproduce", "", f"With finetune installed, in a folder that holds `{PIPELINE_YAML}`:", "",
               "```bash", command(name, sets), "```", ""]
     lines += ["The `--set` options are the ones this run was given (its runtime settings left out); they are "
               f"already folded into `{PIPELINE_YAML}`. Settings that do not change results (data.mirror, logging, "
               "devices) take their defaults. Re-evaluate from the store without retraining:", "", "```bash",
-              command(name, sets, "stages") + " --only evaluate", "```", ""]
+              command(name, sets, "--only", "evaluate"), "```", ""]
     lines += ["## Training metrics", "", "| metric | value |", "|---|---|"]
     for k in ("steps", "epochs_done", "examples", "effective_batch", "precision", "optimizer", "trainable_params",
               "total_params", "first_loss", "final_loss", "tokens_per_s", "train_seconds"):
@@ -439,7 +440,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if cfg.data.path:  # read whatever the source (data.load_source); in this stage's key: the file must run
         changed.setdefault("data", {})["path"] = cfg.data.path
     (out / PIPELINE_YAML).write_text(f"# {cfg.name} as exported: every in-key setting that differs from the schema's "
-                                     f"defaults\n# python -m flows.finetune {cfg.name} --config {PIPELINE_YAML}\n"
+                                     f"defaults\n# {command(cfg.name, [])}\n"
                                      + yaml.safe_dump({"pipelines": {cfg.name: {"description": cfg.description,
                                                                                 **changed}}}, sort_keys=False))
     (out / "README.md").write_text(card(cfg.name, cfg.description, sections, keys, train_metrics, fmt, extra, sets,

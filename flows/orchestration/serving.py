@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import time
@@ -120,12 +121,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.serve") -> 
     p.add_argument("--wait", type=float, default=10, metavar="SECONDS",
                    help="how long to wait for the Prefect server to answer (default 10)")
     args = p.parse_args(argv)
-    # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then serve_stop.py stops serving
-    # within seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
 
     def go() -> int:
+        if args.limit < 1:
+            raise ConfigError(f"--limit {args.limit}: must be >= 1 (flow runs at once)")
+        if not 0 <= args.wait < math.inf:
+            raise ConfigError(f"--wait {args.wait:g}: must be a finite number of seconds >= 0")
+        # Until serving starts, Ctrl-C and SIGTERM raise KeyboardInterrupt; then serve_stop.py stops serving within
+        # seconds. SIGINT explicitly: started in a non-interactive shell's background it is inherited ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)
         available = pipeline_names(args.config) + sweep_names(args.config)
         unknown = [n for n in args.pipelines if n not in available]
         if unknown:

@@ -70,7 +70,7 @@ def render_status(pipeline: str, store: Store, statuses: list[StageStatus], run:
 
 def run_command(args: argparse.Namespace) -> str:
     """The command that runs the pipeline these inspect arguments name, as the user gave them."""
-    return command("flows.finetune", args.pipeline, config=args.config, overrides=args.overrides)
+    return command("run", args.pipeline, config=args.config, overrides=args.overrides)
 
 
 def build_parser(prog: str = "python -m flows.inspect") -> argparse.ArgumentParser:
@@ -251,7 +251,7 @@ def cmd_verify(args: argparse.Namespace, store: Store) -> int:
             else human_bytes(store.size(s, k))
         rows.append([s, k[:12], "; ".join(p[:3]) + (f" (+{len(p) - 3} more)" if len(p) > 3 else ""), where])
     print(render_table(rows))
-    quarantine = command("flows.inspect", "verify", *([args.pipeline] if args.pipeline else []), "--quarantine",
+    quarantine = command("inspect", "verify", *([args.pipeline] if args.pipeline else []), "--quarantine",
                          config=args.config, overrides=args.overrides)
     print(f"{len(bad)} of {len(items)} artifacts corrupt" + ("" if args.quarantine else
           f"; {quarantine} moves them aside, or rerun with --verify "
@@ -295,7 +295,7 @@ def cmd_gc(args: argparse.Namespace, store: Store) -> int:
         print(f"removed {sum(g.removed for g in garbage)} of {len(garbage)}, {human_bytes(freed)} freed")
     else:
         print(f"{len(garbage)} unreachable or invalid, {human_bytes(total)}; dry run: nothing removed "
-              f"({command('flows.inspect', 'gc', '--force', *selection, config=args.config)} to remove)")
+              f"({command('inspect', 'gc', '--force', *selection, config=args.config)} to remove)")
     return 0
 
 

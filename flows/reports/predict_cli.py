@@ -30,11 +30,11 @@ import argparse
 import csv
 import gzip
 import json
-import shlex
 from pathlib import Path
 from typing import Any
 
 from stages.engine.cli import guarded
+from stages.engine.commands import command
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
 from stages.engine.errors import ConfigError, MissingInputError
 
@@ -171,11 +171,7 @@ def with_system(turns: list[dict[str, str]], system: str | None) -> list[dict[st
 
 
 def finetune_command(cfg: Any, config: Path) -> str:
-    args = ["python", "-m", "flows.finetune", cfg.name]
-    if Path(config) != Path(DEFAULT_PIPELINE_FILE):
-        args += ["--config", str(config)]
-    args += [a for s in cfg.overrides for a in ("--set", s)]
-    return " ".join(shlex.quote(a) for a in args)
+    return command("run", cfg.name, config=config, overrides=cfg.overrides)
 
 
 def export_folder(target: str, config: Path, overrides: list[str]) -> Path:

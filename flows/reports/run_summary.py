@@ -97,7 +97,7 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
     ev = metric("evaluate").get("splits") or {}
     for split, m in ev.items():
         if "accuracy" in m:
-            lines.append(f"  {split} accuracy: {100 * m['accuracy']:.1f}% on {m['examples']} held-out real reviews "
+            lines.append(f"  {split} accuracy: {100 * m['accuracy']:.1f}% on {m['examples']} held-out examples "
                          f"(macro-F1 {m['macro_f1']:.3f}, confusion [true][pred] {m.get('confusion_matrix')})")
         else:
             shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
@@ -120,7 +120,7 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
                      f"({am.get('percent', 0):.2f}%), {what}")
     if tm:
         val = (tm.get("validation") or [{}])[-1]
-        lines.append(f"  training: {tm.get('examples')} reviews, {tm.get('steps')} steps of {tm.get('effective_batch')} "
+        lines.append(f"  training: {tm.get('examples')} examples, {tm.get('steps')} steps of {tm.get('effective_batch')} "
                      f"(micro-batch {tm.get('micro_batch_size')} x accumulation {tm.get('gradient_accumulation_steps')}), "
                      f"loss {tm.get('first_loss', 0):.3f} -> {tm.get('final_loss', 0):.3f}, "
                      f"{tm.get('tokens_per_s', 0):.0f} real tokens/s"

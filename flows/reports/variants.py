@@ -190,7 +190,7 @@ def stored(name: str, store: Store) -> Sweep | None:
 def compare_hint(sw: Sweep) -> str:
     """The command that compares this sweep's variants: by its name (an ad-hoc one's definition is in the
     store), with the pipeline file it read."""
-    return command("flows.inspect", "compare", "--sweep", sw.name, config=sw.config_file)
+    return command("inspect", "compare", "--sweep", sw.name, config=sw.config_file)
 
 
 def spec(s: Sweep) -> dict[str, Any]:

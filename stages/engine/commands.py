@@ -16,10 +16,11 @@ def config_args(config: Path | str | None) -> list[str]:
     return ["--config", str(Path(config).resolve())]
 
 
-def command(module: str, *args: str, config: Path | str | None = None,
+def command(subcommand: str, *args: str, config: Path | str | None = None,
             overrides: list[str] | dict | None = None, name: str | None = None) -> str:
-    """A command line the project prints for the user to run: `python -m MODULE ARGS`, repeating the pipeline
-    file, the sweep's --name and the --set list, shell-quoted, so that it works as printed."""
-    parts = ["python", "-m", module, *args, *config_args(config), *(["--name", name] if name else []),
+    """A command line the project prints for the user to run: `finetune SUBCOMMAND ARGS` (the console command,
+    which an installed wheel has too; `python -m flows...` needs the checkout's interpreter), repeating the
+    pipeline file, the sweep's --name and the --set list, shell-quoted, so that it works as printed."""
+    parts = ["finetune", subcommand, *args, *config_args(config), *(["--name", name] if name else []),
              *(a for o in override_strings(overrides) for a in ("--set", o))]
     return shlex.join(parts)

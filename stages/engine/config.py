@@ -11,8 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import annotated_types as at
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from stages.engine.errors import ConfigError
 from stages.engine.paths import PIPELINE_FILE, work_root
@@ -415,6 +417,9 @@ def _origin(loc: tuple, name: str, chain: list, defaults: list, over: dict) -> s
     return f"pipelines.{name}.{dotted}"
 
 
+BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
+
+
 def _describe(err: ValidationError, name: str, chain: list, defaults: list, over: dict) -> str:
     problems = []
     for e in err.errors():
@@ -427,11 +432,16 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
             msg = f"unknown key '{loc[-1]}'; valid keys here: {valid}"
         elif kind == "missing":
             msg = "required; add it to the pipeline or to defaults"
-        elif kind in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
-            op = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}[kind]
-            bound = next(iter(ctx.values()))
-            bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-            msg = f"must be {op} {bound}, got {got!r}"
+        elif kind in BOUNDS or kind == "int_parsing_size":
+            if kind in BOUNDS:
+                bound = next(iter(ctx.values()))
+                want = f"{BOUNDS[kind]} {int(bound) if isinstance(bound, float) and bound.is_integer() else bound}"
+            else:  # an integer too large for pydantic to parse: past any upper bound of the field
+                want = _upper_bound(loc) or "a smaller integer"
+            too_large = kind in ("less_than", "less_than_equal", "int_parsing_size")
+            msg = f"must be {want}, got {got!r}" + (f"; {hint}" if too_large and (hint := _fix(loc)) else "")
+        elif kind == "finite_number":
+            msg = f"must be a finite number, got {got!r}"
         elif kind == "literal_error":
             msg = f"must be one of {ctx.get('expected')}, got {got!r}"
             if isinstance(got, bool):
@@ -450,6 +460,24 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
             msg = e["msg"]
         problems.append(f"{where}: {msg}")
     return "; ".join(problems)
+
+
+def _field_at(loc: tuple) -> FieldInfo | None:
+    model = _model_at(loc[:-1]) if loc else None
+    return model.model_fields.get(str(loc[-1])) if model else None
+
+
+def _upper_bound(loc: tuple) -> str | None:
+    """The field's upper bound (`<= 10000`), if it has one."""
+    field = _field_at(loc)
+    return next((f"{op} {getattr(m, attr)}" for m in (field.metadata if field else [])
+                 for cls, attr, op in ((at.Le, "le", "<="), (at.Lt, "lt", "<")) if isinstance(m, cls)), None)
+
+
+def _fix(loc: tuple) -> str | None:
+    """What the field's schema says to do when its value is above its bound (schema.fix)."""
+    extra = field.json_schema_extra if (field := _field_at(loc)) else None
+    return extra.get("fix") if isinstance(extra, dict) else None  # type: ignore[return-value]
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:

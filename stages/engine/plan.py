@@ -228,7 +228,7 @@ class Plan:
 
     def run_command(self) -> str:
         """The command that runs this config's whole pipeline, as it was loaded (file and --set list)."""
-        return command("flows.finetune", self.cfg.name, config=self.cfg.config_file, overrides=self.cfg.overrides)
+        return command("run", self.cfg.name, config=self.cfg.config_file, overrides=self.cfg.overrides)
 
 
 # ---------------------------------------------------------------- handing a plan to the flow

@@ -104,7 +104,7 @@ def render() -> str:
         assert isinstance(model, type) and issubclass(model, BaseModel)
         out += ["", f"`{section}:` — {fields[section].description}", "", *table(model, f"{section}.")]
     out += ["", "`sweeps:` (top level of pipeline.yaml, beside `pipelines:`) — named sweeps, each the variants of a base "
-            "pipeline run through the same store (`python -m flows.sweep NAME`):",
+            "pipeline run through the same store (`finetune sweep NAME`):",
             "", *table(SweepConfig, "sweeps.NAME.", keyed=False)]
     return "\n".join([*out, "", END])
 

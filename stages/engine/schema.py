@@ -15,12 +15,19 @@ from stages.engine.choices import choice_of
 from stages.engine.names import Name
 from stages.engine.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
+MAX_EPOCHS = 10_000  # passes over the train split (train.epochs)
+MAX_MICRO_BATCH = 65_536  # rows in one forward pass (train.micro_batch_size)
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
 
 
 def runtime(default: Any = None, **kw: Any) -> Any:
     """A field that does not change what a stage produces: excluded from cache keys."""
     return Field(default, json_schema_extra={"runtime": True}, **kw)
+
+
+def fix(text: str) -> dict[str, Any]:
+    """A field's extra: what to do instead of a value above its bound, added to that error's line."""
+    return {"fix": text}
 
 
 def is_runtime(field: FieldInfo) -> bool:
@@ -30,7 +37,7 @@ def is_runtime(field: FieldInfo) -> bool:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # nan and inf: one clear line
 
     @model_validator(mode="before")
     @classmethod
@@ -44,13 +51,19 @@ class Section(BaseModel):
                 out[name] = word
         return out
 
+    def ignored(self) -> frozenset[str]:
+        """Fields this section's other settings leave unread (split.train under mode source)."""
+        return frozenset()
+
     def cache_dict(self) -> dict[str, Any]:
-        """The fields that change outputs, as JSON-able data (runtime fields dropped)."""
+        """The fields that change outputs, as JSON-able data (runtime fields dropped). An ignored field counts
+        as its default: a value there changes no key, and the card and the exported pipeline leave it out."""
         out = {}
+        ignored = self.ignored()
         for name, field in type(self).model_fields.items():
             if is_runtime(field):
                 continue
-            value = getattr(self, name)
+            value = field.get_default(call_default_factory=True) if name in ignored else getattr(self, name)
             out[name] = value.cache_dict() if isinstance(value, Section) else _jsonable(value)
         return out
 
@@ -73,11 +86,15 @@ class SplitConfig(Section):
         "(and test, when the source has none) from train with `seed`.",
     )
     seed: int = Field(1, description="seed of the shuffle (shuffle_concat) or of the rows carved from train (source)")
-    train: int | None = Field(None, ge=1, description="shuffle_concat: rows of the train split (required there)")
+    train: int | None = Field(None, ge=1, description="shuffle_concat: rows of the train split (required there); "
+                               "source mode ignores it, and so do keys, the model card and the exported pipeline")
     validation: int | float | None = Field(None, ge=0, description="rows; source mode: a fraction of train when < 1, "
                                            "carved from train")
     test: int | float | None = Field(None, ge=0, description="rows; source mode: a fraction of train when < 1, "
                                      "carved from train only when the source has no test split")
+
+    def ignored(self) -> frozenset[str]:
+        return frozenset({"train"}) if self.mode == "source" else frozenset()
 
     @model_validator(mode="after")
     def _counts(self) -> SplitConfig:
@@ -281,13 +298,16 @@ class EarlyStopping(Section):
 
 
 class TrainConfig(Section):
-    micro_batch_size: int = Field(1, ge=1, description="rows per forward/backward pass (a CUDA out-of-memory "
-                                  "error halves it and doubles accumulation)")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH, description="rows per forward/backward pass (a "
+                                  "CUDA out-of-memory error halves it and doubles accumulation)",
+                                  json_schema_extra=fix("for a larger effective batch, raise "
+                                                        "train.gradient_accumulation_steps"))
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step; effective "
                                              "batch = micro_batch_size x gradient_accumulation_steps x "
                                              "num_processes x num_machines rows, the loss normalised over all of it")
-    epochs: float = Field(1, gt=0, description="passes over the train split, may be fractional; max_steps wins "
-                          "when set")
+    epochs: float = Field(1, gt=0, le=MAX_EPOCHS, description="passes over the train split, may be fractional; "
+                          "max_steps wins when set", json_schema_extra=fix("for a run of a given length, set "
+                                                                           "train.max_steps (optimizer steps)"))
     max_steps: int | None = Field(None, ge=1, description="optimizer steps to train; null: from epochs")
     optimizer: Literal["adam", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
         "adamw_torch", description="adam: torch Adam (the BLOOM article's; weight decay as L2); adamw_torch: "
@@ -515,18 +535,17 @@ class PipelineConfig(BaseModel):
         """The `--set` overrides that set a keyed (not runtime) field under one of the dotted paths `reads`:
         what a stage that reads `overrides` sees and is keyed on."""
         reads = [r for r in reads if r != "overrides"]
-        return [o for o in self.overrides if _keyed_within(o.split("=", 1)[0].strip(), reads)]
+        return [o for o in self.overrides if self._keyed_within(o.split("=", 1)[0].strip(), reads)]
 
-
-def _keyed_within(path: str, reads: list[str]) -> bool:
-    if not any(path == r or path.startswith(r + ".") for r in reads):
-        return False
-    model: Any = PipelineConfig
-    for part in path.split("."):
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return True  # unknown to the schema: validation already refused it; keep rather than guess
-        if is_runtime(field):
+    def _keyed_within(self, path: str, reads: list[str]) -> bool:
+        if not any(path == r or path.startswith(r + ".") for r in reads):
             return False
-        model = field.annotation
-    return True
+        obj: Any = self
+        for part in path.split("."):
+            field = type(obj).model_fields.get(part) if isinstance(obj, BaseModel) else None
+            if field is None:
+                return True  # a mapping's entry, or unknown to the schema (validation refused it): keep it
+            if is_runtime(field) or (isinstance(obj, Section) and part in obj.ignored()):
+                return False
+            obj = getattr(obj, part)
+        return True

@@ -29,9 +29,10 @@ CACHED, STALE, MISSING = "cached", "stale", "missing"
 # "resumable from step N of M" without knowing the stage's checkpoint format.
 RESUME_FILE = "resume.json"
 
-# Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found).
-HEADLINE = ("accuracy", "val_accuracy", "rouge1", "rouge2", "rougeL", "rougeLsum", "loss", "val_loss",
-            "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
+# Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found). exact_match before
+# the ROUGE scores: a chat run's short answers (evaluate.metrics [exact_match, rouge]) are judged by it first.
+HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum",
+            "loss", "val_loss", "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
             "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
 MAX_HEADLINE = 4
 
@@ -144,6 +145,7 @@ def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for want in HEADLINE:
         hits = [k for k in numbers if k == want] or [k for k in numbers if k.endswith("." + want)]
+        hits.sort(key=lambda k: k.startswith("baseline."))  # the tuned model's before evaluate.baseline's
         if hits and hits[0] not in out:
             out[hits[0]] = numbers[hits[0]]
         if len(out) >= MAX_HEADLINE:

@@ -14,8 +14,8 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Name = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `python -m "
-                      "flows.sweep NAME`, deployment sweep/NAME, UI artifact sweep-NAME, folder sweeps/NAME of the store")
+    name: Name = Field(..., description="the sweep's name, its key under `sweeps:` (set by the loader): `finetune "
+                      "sweep NAME`, deployment sweep/NAME, UI artifact sweep-NAME, folder sweeps/NAME of the store")
     description: str = Field("", description="one line shown with the comparison")
     pipeline: str = Field(..., description="the base pipeline (a name under `pipelines:`) every variant starts from")
     set: dict[str, Any] = Field(default_factory=dict, description="overrides applied to every variant, "

@@ -122,6 +122,16 @@ def clip(text: str) -> str:
     return text if len(text) <= MAX_VALUE else text[: MAX_VALUE - 1] + "…"
 
 
+def one_line(text: str, width: int = 200) -> str:
+    """text on one line; when longer than width, its start and its end, each cut at a space, joined by " … "
+    (a client error ends in its cause: `... Failed to establish a new connection: [Errno 111] Connection refused`)."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    head, tail = text[: width * 2 // 3], text[-(width // 3):]
+    return head.rsplit(" ", 1)[0] + " … " + tail.split(" ", 1)[-1]
+
+
 def step_metrics(record: dict[str, Any]) -> list[tuple[str, float, int]]:
     """(name, value, step) of one history record: its numbers, named as TensorBoard names them
     (`<kind>/<field>`, stages/common/runlog.py)."""
@@ -292,7 +302,7 @@ class Tracker:
     def _give_up(self, e: BaseException) -> None:
         self._fail("tracking: MLflow at %s failed (%s: %s); this run goes on untracked, the store and the run "
                    "record keep everything (finetune inspect runs)", self.settings.uri, type(e).__name__,
-                   " ".join(str(e).split())[:160])
+                   one_line(str(e)))
 
     def _fail(self, message: str, *args: Any) -> None:
         """The one warning: every call after it is dropped."""

@@ -126,7 +126,7 @@ def test_only_without_upstream_in_store_is_a_clear_error(store_dir):
     import shlex
 
     fix = str(exc.value).split("run the whole pipeline first: ", 1)[1]
-    assert shlex.split(fix) == ["python", "-m", "flows.finetune", "tiny-imdb", *(a for s in SMALL for a in ("--set", s))]
+    assert shlex.split(fix) == ["finetune", "run", "tiny-imdb", *(a for s in SMALL for a in ("--set", s))]
 
 
 def test_manifest_records_key_inputs_files_and_timing(store_dir):

@@ -129,6 +129,31 @@ def test_flow_entry_point_rejects_bad_set_before_prefect_starts(tmp_path):
     assert not (tmp_path / "store").exists() and not (tmp_path / "prefect").exists()
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("train.epochs=1e9", "--set train.epochs: must be <= 10000, got 1000000000.0; for a run of a given length, "
+                         "set train.max_steps (optimizer steps)"),
+    ("train.micro_batch_size=1e20", "--set train.micro_batch_size: must be <= 65536, got 1e+20; for a larger "
+                                    "effective batch, raise train.gradient_accumulation_steps"),
+    ("train.micro_batch_size=100000000000000000000", "--set train.micro_batch_size: must be <= 65536, got "
+                                                     "100000000000000000000; for a larger effective batch, raise "
+                                                     "train.gradient_accumulation_steps"),
+    ("train.micro_batch_size=0", "--set train.micro_batch_size: must be >= 1, got 0"),  # no fix for too small
+    ("train.lr=.nan", "--set train.lr: must be a finite number, got nan"),
+    ("train.lr=nan", "--set train.lr: must be a finite number, got 'nan'"),
+    ("train.epochs=.inf", "--set train.epochs: must be a finite number, got inf"),
+], ids=["epochs", "micro-batch", "micro-batch-past-int64", "micro-batch-0", "lr-nan", "lr-nan-word", "epochs-inf"])
+def test_absurd_sizes_and_non_finite_numbers_are_one_line_that_says_the_fix(tmp_path, store_dir, capsys, setting,
+                                                                             message):
+    code, err = run_cli(["tiny-imdb", "--set", setting], capsys)
+    assert code == 2 and err == f"error: {message}\n"
+    assert not store_dir.exists()
+
+
+def test_the_largest_allowed_sizes_still_load():
+    cfg = load_pipeline("tiny-imdb", ["train.epochs=10000", "train.micro_batch_size=65536"])
+    assert cfg.train.epochs == 10_000 and cfg.train.micro_batch_size == 65_536
+
+
 def test_shipped_pipelines_validate_with_article_settings():
     names = pipeline_names()
     for required in ("bloom-imdb", "bloom-imdb-no-accum", "qlora-t5-billsum", "demo", "tiny-imdb", "tiny-billsum"):

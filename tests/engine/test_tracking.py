@@ -169,6 +169,27 @@ def test_a_server_killed_mid_run_costs_one_warning_and_the_run_finishes(tmp_path
     assert all(f"  {stage:<10} computed" in out for stage in GRAPH.names), out
 
 
+def test_a_refused_connection_is_one_warning_that_keeps_the_cause_and_cuts_no_word(monkeypatch, caplog):
+    """MLflow's error for a server that is not there runs past 300 characters and ends in its cause: the warning
+    keeps its start and its end, each cut at a space, never inside a word."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    caplog.set_level(logging.WARNING, logger="finetune.tracking")
+    raised: list[BaseException] = []
+    give_up = Tracker._give_up
+    monkeypatch.setattr(Tracker, "_give_up", lambda self, e: (raised.append(e), give_up(self, e)))
+    tracker = Tracker(Settings(f"http://127.0.0.1:{port}", "x"), "run", {})
+    tracker.end(wait_s=30)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    full = " ".join(str(raised[0]).split())
+    shown = warnings[0].split(f"{type(raised[0]).__name__}: ", 1)[1].rsplit("); this run goes on untracked", 1)[0]
+    assert len(warnings) == 1 and len(full) > 250 and "Connection refused" in shown, warnings
+    head, tail = shown.split(" … ")
+    assert full.startswith(head + " ") and full.endswith(" " + tail) and len(shown) <= 200, (shown, full)
+
+
 def test_a_server_that_never_answers_holds_the_end_of_a_run_at_most_its_wait(monkeypatch, caplog):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

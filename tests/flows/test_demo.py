@@ -49,7 +49,7 @@ def test_demo_tiny_slice_end_to_end_then_cached_without_prefect(store_dir, capsy
     assert summary.main(["demo", *SETS, "--if-cached"]) == 0
     text = capsys.readouterr().out
     assert "without starting Prefect" in text and "computed this run: 0 of 7" in text
-    assert "test accuracy:" in text and "on 16 held-out real reviews" in text
+    assert "test accuracy:" in text and "on 16 held-out examples" in text
     assert "trainable: " in text and str(out["export"].path) in text
     assert text.count(" cached ") == len(ALL)
     assert "merged model + adapter/ + model card:" in text  # the demo exports the merged model at the top
@@ -84,6 +84,20 @@ def test_the_summary_says_what_ran_and_what_the_export_holds():
     assert summary.export_contents({"method": "lora", "layout": "adapter", "merged": True}) == \
         "exported adapter + merged/ + model card"
     assert summary.export_contents({"method": "full", "layout": "merged"}) == "finetuned model + model card"
+
+
+@pytest.mark.parametrize("name", ["demo", "smol-chat", "tiny-billsum"])
+def test_the_summary_counts_examples_whatever_the_data(name):
+    """Reviews, conversations or bills: the summary's counts say "examples", the word every stage's metrics use."""
+    evaluate = {"splits": {"test": {"accuracy": 0.75, "macro_f1": 0.7, "examples": 16, "confusion_matrix": [[1]]}}}
+    train = {"examples": 40, "steps": 5, "effective_batch": 8, "micro_batch_size": 4,
+             "gradient_accumulation_steps": 2, "first_loss": 0.7, "final_loss": 0.5, "tokens_per_s": 100.0}
+    rows = [{"stage": stage, "key": "k" * 64, "path": f"/store/{stage}", "present": True, "status": "computed",
+             "manifest": {"metrics": metrics}, "event_time": None, "duration_s": 1.0}
+            for stage, metrics in (("train", train), ("evaluate", evaluate))]
+    text = summary.render(load_pipeline(name), rows, ran=True)
+    assert "test accuracy: 75.0% on 16 held-out examples" in text and "training: 40 examples, 5 steps" in text
+    assert "review" not in text.replace(load_pipeline(name).description or "", "")
 
 
 def test_demo_4bit_quantizes_the_encoder_and_trains_lora_on_it(store_dir):

@@ -271,9 +271,9 @@ def test_status_prints_the_command_that_runs_what_is_stale_as_given(env, capsys)
     assert rc == 1
     line = next(ln for ln in out.splitlines() if ln.startswith("run: "))
     argv = shlex.split(line.removeprefix("run: "))
-    assert argv[:4] == ["python", "-m", "flows.finetune", PIPELINE]
-    assert argv[4:] == ["--config", str(config.resolve()), *(a for s in sets for a in ("--set", s))]
-    cfg = GRAPH.load(parser("flows.finetune").parse_args(argv[3:]))
+    assert argv[:3] == ["finetune", "run", PIPELINE]
+    assert argv[3:] == ["--config", str(config.resolve()), *(a for s in sets for a in ("--set", s))]
+    cfg = GRAPH.load(parser("finetune run").parse_args(argv[2:]))
     shown = {s["stage"]: s["key"] for s in json.loads(inspect(capsys, "status", PIPELINE, "--config", str(config),
                                                               *(a for s in sets for a in ("--set", s)),
                                                               "--json")[1])["stages"]}

@@ -79,7 +79,7 @@ def test_a_pipeline_name_uses_its_current_export_and_generates_the_evaluated_tex
     err = capsys.readouterr().err.strip()
     assert "\n" not in err, err
     assert "no current export (stale: changed params: overrides, train.lr;" in err
-    assert err.endswith("make it with: python -m flows.finetune tiny-billsum --set train.max_steps=2 --set "
+    assert err.endswith("make it with: finetune run tiny-billsum --set train.max_steps=2 --set "
                         "evaluate.max_new_tokens=8 --set train.lr=0.5")
     assert main(["tiny-billsum", "--set", "train.max_steps=1", "--text", "x"]) == 2
     assert "no current export (" in capsys.readouterr().err

@@ -189,6 +189,19 @@ def test_unreachable_server_is_one_line(tmp_path):
     assert res.stderr.startswith("error: no Prefect server answers at") and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--wait", "-5"], "--wait -5: must be a finite number of seconds >= 0"),
+    (["--wait", "nan"], "--wait nan: must be a finite number of seconds >= 0"),
+    (["--limit", "0"], "--limit 0: must be >= 1 (flow runs at once)"),
+], ids=["negative-wait", "nan-wait", "zero-limit"])
+def test_a_bad_wait_or_limit_is_one_line_exit_2_before_any_server_is_asked(argv, message, capsys, monkeypatch):
+    from flows.orchestration import serving
+
+    monkeypatch.setattr(serving, "wait_for_server", lambda *a: pytest.fail("asked the server"))
+    assert serving.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_artifact_builders(tmp_path):
     """What the train / evaluate / export extras put in the UI, from a manifest and its folder."""
     from flows.orchestration.ui_artifacts import (

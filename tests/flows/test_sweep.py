@@ -23,6 +23,7 @@ import pytest
 from helpers import ROOT, needs_shared_data, run_pipeline, subprocess_env
 
 import flows.orchestration  # noqa: F401  (project Prefect defaults)
+from flows.console import main as console_main
 from flows.inspect import main as inspect_main
 from flows.reports import comparison as compare
 from flows.reports.config_diff import diff, render_diff
@@ -316,15 +317,15 @@ def test_an_adhoc_sweep_is_compared_by_name_with_the_command_it_prints(config, s
     sets = ["data.subset={train: 16, validation: 4, test: 8}", "train.max_steps=2"]
     sw = adhoc_sweep("tiny-imdb", ["train.lr=1e-3,1e-2"], sets, name="my-lrs", config_file=config)
     hint = compare_hint(sw)
-    assert hint == f"python -m flows.inspect compare --sweep my-lrs --config {config.resolve()}"
+    assert hint == f"finetune inspect compare --sweep my-lrs --config {config.resolve()}"
     save_definition(sw, Store(store_dir))  # what `python -m flows.sweep ... --name my-lrs` keeps before it runs
     argv = shlex.split(hint)
-    assert argv[:3] == ["python", "-m", "flows.inspect"] and inspect_main(argv[3:]) == 1  # 1: nothing run yet
+    assert argv[0] == "finetune" and console_main(argv[1:]) == 1  # the console command as printed; 1: nothing run yet
     out = capsys.readouterr().out
     assert "| 0.001 |" in out and "| 0.01 |" in out and out.count("| not run |") == 2
     by_grid = compare.compare(adhoc_sweep("tiny-imdb", ["train.lr=1e-3,1e-2"], sets, config_file=config),
                               Store(store_dir)).to_json()
-    assert inspect_main([*argv[3:], "--json"]) == 1
+    assert inspect_main([*argv[2:], "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["variants"] == json.loads(json.dumps(by_grid["variants"],
                                                                                     default=str))
 

@@ -57,10 +57,10 @@ def write_project(folder: Path) -> Path:
 
 
 def run(cmd: list[str] | str, cwd: Path, env: dict[str, str], ok: int = 0, timeout: float = 300) -> str:
-    """Run a command (a printed line: shlex-split, a leading `python` meaning this interpreter)."""
+    """Run a command (a printed line: shlex-split, a leading `finetune` meaning this venv's console command)."""
     args = shlex.split(cmd) if isinstance(cmd, str) else cmd
-    if args[0] == "python":
-        args = [sys.executable, *args[1:]]
+    if args[0] == "finetune":
+        args = [str(BIN / "finetune"), *args[1:]]
     res = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                          start_new_session=True)
     out = res.stdout + res.stderr
@@ -69,7 +69,7 @@ def run(cmd: list[str] | str, cwd: Path, env: dict[str, str], ok: int = 0, timeo
 
 
 def printed(out: str, prefix: str) -> str:
-    m = re.search(rf"^{re.escape(prefix)}\s*(python .+)$", out, re.M)
+    m = re.search(rf"^{re.escape(prefix)}\s*(finetune .+)$", out, re.M)
     assert m, f"no `{prefix}` line in:\n{out[-3000:]}"
     return m.group(1).strip()
 

@@ -98,6 +98,13 @@ def test_the_baseline_is_the_untuned_model_on_the_same_rows(tmp_path):
     base_preds = [json.loads(x)["prediction"] for x in (ev.path / "baseline_predictions.jsonl").read_text().splitlines()]
     preds = [json.loads(x)["prediction"] for x in (ev.path / "predictions.jsonl").read_text().splitlines()]
     assert len(base_preds) == len(preds) == 8 and base_preds != preds  # six steps at a high lr moved the answers
+    # `inspect runs` shows the tuned model's exact_match first (not ROUGE's four, not the baseline's)
+    from flows.reports import runs
+
+    (run,) = json.loads(runs.report(store, as_json=True))
+    assert run["metrics"]["splits.test.exact_match"] == tuned["exact_match"] and \
+        not any(k.startswith("baseline.") for k in run["metrics"]), run["metrics"]
+    assert "splits.test.exact_match=" in runs.report(store)
 
     # the untuned model evaluated on its own: one step at lr 1e-30 leaves LoRA's B at 0 (lr 0 is refused)
     g = pipeline_file(tmp_path, write_jsonl(tmp_path / "reviews.jsonl", rows), data=data,

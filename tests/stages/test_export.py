@@ -10,6 +10,7 @@ import shlex
 import helpers
 import pytest
 import torch
+import yaml
 from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
 from stages.common.batching import collate
@@ -113,7 +114,8 @@ def test_full_finetune_exports_the_model_itself(store):
 
 
 def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_them(store):
-    out = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true")
+    # data.split.train: tiny-billsum splits in mode source, which ignores it; so do the keys, the card and the files
+    out = helpers.run("tiny-billsum", *BILLSUM, "export.merge=true", "data.split.train=50")
     card = (out["export"].path / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text2text-generation\n")
     assert "# tiny-billsum" in card
@@ -126,6 +128,10 @@ def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_th
     assert f"| test | rouge1 | {round(rouge, 4)} |" in card
     config = json.loads((out["export"].path / "finetune_pipeline.json").read_text())
     assert config["name"] == "tiny-billsum" and config["train"]["max_steps"] == 2
+    assert config["data"]["split"] == {"mode": "source", "seed": 42, "train": None, "validation": 10, "test": 20}
+    exported = yaml.safe_load((out["export"].path / "finetune_pipeline.yaml").read_text())
+    assert exported["pipelines"]["tiny-billsum"]["data"]["split"] == {"seed": 42, "validation": 10, "test": 20}
+    assert "data.split.train" not in card and "train: 50" not in card
     assert not (out["export"].path / "config.json").read_text().count("max_steps")  # the model's config
 
     # the run's own --set list (not a diff against pipeline.yaml re-read at export time), less its runtime
@@ -138,13 +144,29 @@ def test_model_card_names_pipeline_keys_metrics_and_a_command_that_reproduces_th
     assert gen["max_new_tokens"] == 8 and gen["num_beams"] == 1
 
 
+def test_a_setting_the_split_mode_ignores_is_in_no_key(tmp_path):
+    """split.train under mode source is read by nothing: set in the pipeline file or by --set, every stage's
+    key (export's, which holds the --set list, too) is the one without it. Under shuffle_concat it is read."""
+    keys = lambda cfg: {p.stage.name: p.key.key for p in plan(cfg)}  # noqa: E731
+    plain = keys(load_pipeline("tiny-billsum", list(BILLSUM)))
+    assert keys(load_pipeline("tiny-billsum", [*BILLSUM, "data.split.train=50"])) == plain
+    files = []
+    for i, split in enumerate(("{train: 50}", "{seed: 42}")):
+        files.append(tmp_path / f"mine{i}.yaml")
+        files[-1].write_text(f"pipelines:\n  mine:\n    extends: tiny-billsum\n    data:\n      split: {split}\n")
+    assert keys(load_pipeline("mine", list(BILLSUM), files[0])) == keys(load_pipeline("mine", list(BILLSUM), files[1]))
+    concat = ["data.split={mode: shuffle_concat, train: 50, validation: 10, test: 20}"]
+    assert keys(load_pipeline("tiny-billsum", concat))["data"] != \
+        keys(load_pipeline("tiny-billsum", [*concat, "data.split.train=60"]))["data"]
+
+
 def command_reproduces(out: dict, name: str) -> list[str]:
     """The command in the card, parsed and planned with the shipped finetune_pipeline.yaml, gives the very
     same keys for every stage. Returns its --set values."""
     ex = out["export"].path
     card = (ex / "README.md").read_text()
-    line = next(ln for ln in card.splitlines() if ln.startswith("python -m flows.finetune "))
-    argv = shlex.split(line)[3:]
+    line = next(ln for ln in card.splitlines() if ln.startswith("finetune run "))
+    argv = shlex.split(line)[2:]
     assert argv[0] == name and argv[1:3] == ["--config", "finetune_pipeline.yaml"]
     sets = [argv[i + 1] for i in range(3, len(argv), 2) if argv[i] == "--set"]
     keys = {p.stage.name: p.key.key for p in plan(load_pipeline(argv[0], sets, ex / argv[2]))}
