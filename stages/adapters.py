@@ -16,7 +16,7 @@ from torch import nn
 
 from stages.common import memory
 from stages.common.compat.peft import peft_dispatch
-from stages.common.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model
+from stages.common.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model, save_adapter
 from stages.common.tasks import task_of
 from stages.engine.errors import ConfigError
 from stages.engine.schema import AdaptersConfig
@@ -75,7 +75,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if total is None:  # an artifact from before the model stage recorded it
             total = count_parameters(load_model(model_dir))[1]
         facts = {"method": "full", "trainable": total, "total": total, "percent": 100.0}
-        (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps(facts, indent=2))
+        (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps(facts, indent=2, sort_keys=True))
         return facts
 
     model = load_model(model_dir)
@@ -85,14 +85,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         torch.manual_seed(a.init_seed)
         peft_model = peft.get_peft_model(model, lora_config(a, info["task"]))
-    peft_model.save_pretrained(ctx.out_dir / "adapter")
+    save_adapter(peft_model, ctx.out_dir / "adapter")
     trainable, total = count_parameters(peft_model)
     wrapped = lora_module_names(peft_model)
     facts = {"method": "lora", "trainable": trainable, "total": total, "percent": round(100 * trainable / total, 4),
              "lora_modules": len(wrapped), "lora_targets": sorted({n.rsplit(".", 1)[-1] for n in wrapped}),
              "modules_to_save": sorted(peft_model.modules_to_save or []),
              "footprint_bytes": int(peft_model.get_memory_footprint())}
-    (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2))
+    (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2, sort_keys=True))
     ctx.log.info("adapters: lora on %d modules (%s), trainable %s of %s (%.2f%%)", len(wrapped),
                  ", ".join(facts["lora_targets"]), f"{trainable:,}", f"{total:,}", facts["percent"])
     return facts

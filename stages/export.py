@@ -36,7 +36,14 @@ from stages.common import gguf_export, onnx_export
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import drop_quantization_config
 from stages.common.hf import load_tokenizer, split_gguf
-from stages.common.model_loading import DTYPES, LOAD_INFO, load_info, load_model, load_trained
+from stages.common.model_loading import (
+    DTYPES,
+    LOAD_INFO,
+    load_info,
+    load_model,
+    load_trained,
+    write_adapter_config,
+)
 from stages.common.tasks import Task, task_of
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
@@ -93,11 +100,7 @@ def export_adapter(trained: Path, out: Path, base_name: str, revision: str | Non
     out.mkdir(parents=True, exist_ok=True)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         shutil.copy2(trained / name, out / name)
-    cfg_path = out / "adapter_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["base_model_name_or_path"] = base_name
-    cfg["revision"] = revision
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    write_adapter_config(out / "adapter_config.json", base_model_name_or_path=base_name, revision=revision)
 
 
 def untie_if_diverged(model: PreTrainedModel) -> bool:
@@ -355,8 +358,9 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
               "devices) take their defaults. Re-evaluate from the store without retraining:", "", "```bash",
               command(name, sets, "--only", "evaluate"), "```", ""]
     lines += ["## Training metrics", "", "| metric | value |", "|---|---|"]
+    # what made the weights, not how fast this machine was: a retrain that reproduces them gives the same card
     for k in ("steps", "epochs_done", "examples", "effective_batch", "precision", "optimizer", "trainable_params",
-              "total_params", "first_loss", "final_loss", "tokens_per_s", "train_seconds"):
+              "total_params", "first_loss", "final_loss"):
         if train.get(k) is not None:
             v = train[k]
             lines.append(f"| {k} | {round(v, 6) if isinstance(v, float) else v} |")

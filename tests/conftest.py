@@ -68,6 +68,9 @@ SLOW = {
         "test_editing_code_no_stage_reaches_changes_no_key",
         "test_every_function_and_value_a_stage_runs_is_in_its_key",
     ),
+    "tests/engine/test_retrain_digest.py": (  # two processes per model kind
+        "test_a_forced_retrain_in_another_process_and_store_folder_leaves_evaluate_and_export_cached",
+    ),
     "tests/engine/test_gc_live.py": ("test_gc_in_a_loop_beside_a_running_variant_takes_nothing_it_reads_or_commits",),
     "tests/engine/test_store_robustness.py": (
         "test_editing_a_helper_reruns_the_stage_that_calls_it",

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 HEAD_MODULES = ("score", "classifier", "lm_head")  # never quantized
 LOAD_INFO = "finetune.json"
 ADAPTERS_INFO = "adapters.json"  # written by the adapters stage: {"method": ...}
+ADAPTER_SET_FIELDS = ("target_modules", "exclude_modules", "modules_to_save")  # names PEFT matches as a set
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 filter_known_warnings()  # in every process that builds or loads models: only known-harmless ones, by module
@@ -219,13 +220,42 @@ def load_trainable(model_dir: Path, adapters_dir: Path, gradient_checkpointing: 
         return peft.PeftModel.from_pretrained(model, adapters_dir / "adapter", is_trainable=True)
 
 
+def write_adapter_config(path: Path, **changes: Any) -> None:
+    """Rewrite a PEFT adapter_config.json (with `changes`) so that one adapter is always the same bytes: PEFT keeps
+    target_modules and exclude_modules as sets, which save_pretrained lists in an order that differs between
+    processes (PYTHONHASHSEED), and each load of a classifier appends its head names to modules_to_save again.
+    These become sorted lists without repeats (PEFT matches them as sets), a regex string stays as it is."""
+    cfg = {**json.loads(path.read_text()), **changes}
+    for name in ADAPTER_SET_FIELDS:
+        if isinstance(cfg.get(name), list):
+            cfg[name] = sorted(set(cfg[name]))
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def save_adapter(model: HFModel, folder: Path) -> None:
+    """A PEFT model's adapter (adapter_model.safetensors + adapter_config.json), reproducible_adapter's bytes."""
+    model.save_pretrained(str(folder), safe_serialization=True)
+    reproducible_adapter(folder)
+
+
+def reproducible_adapter(folder: Path) -> None:
+    """A PEFT save_pretrained folder, the same bytes for the same weights and settings wherever the store is: the
+    config as write_adapter_config makes it, without the base's path (this machine's store folder; the loaders are
+    handed the base, and the export stage writes the base's name), and without the README.md card PEFT writes
+    beside it (which names that path too)."""
+    (folder / "README.md").unlink(missing_ok=True)
+    write_adapter_config(folder / "adapter_config.json", base_model_name_or_path=None)
+
+
 def save_trained(model: HFModel, folder: Path, model_dir: Path) -> None:
-    """LoRA: the PEFT adapter (adapter_model.safetensors + adapter_config.json, modules_to_save included);
-    full: the whole model's save_pretrained (safetensors) plus the model stage's load info, so
-    `load_model` reads it like a model artifact."""
+    """LoRA: the PEFT adapter (reproducible_adapter, modules_to_save included); full: the whole model's
+    save_pretrained (safetensors) plus the model stage's load info, so `load_model` reads it like a model
+    artifact."""
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
-    if not (folder / "adapter_config.json").is_file():
+    if (folder / "adapter_config.json").is_file():
+        reproducible_adapter(folder)
+    else:
         shutil.copy2(hf_dir(model_dir) / LOAD_INFO, folder / LOAD_INFO)
 
 
