@@ -37,14 +37,24 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
         plan = GRAPH.plan(GRAPH.load(args), open_store(), only=args.only, until=args.until, force=args.force,
                           verify=args.verify)
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
+        from flows.orchestration import api_watch
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
 
         stop_cleanly_on_signals()
+        api_watch.watch_the_server()
         hand_over(plan, request(args.pipeline, args.overrides, args.config, args.only, args.until, args.force,
                                 args.verify))
-        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
-                         str(args.config), return_state=True)
+        try:
+            state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
+                             str(args.config), return_state=True)
+        except Exception:  # the server went down after the last stage: Prefect's final call failed
+            if api_watch.gone():
+                api_watch.leave(api_watch.EXIT_CODE, f"error: {api_watch.gone_line([], finished=False)}",
+                                f"store: {store_root()}")
+            raise
+        finally:
+            api_watch.flow_returned()
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
             return 2
