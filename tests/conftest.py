@@ -77,6 +77,9 @@ SLOW = {
         "test_a_tracked_run_holds_its_config_history_metrics_and_keys_and_a_cached_rerun_the_same",
         "test_a_server_killed_mid_run_costs_one_warning_and_the_run_finishes",
     ),
+    "tests/engine/test_store_readonly.py": (
+        "test_a_read_only_store_serves_a_fully_cached_run_and_refuses_one_that_computes_before_prefect_starts",
+    ),
     "tests/engine/test_store_s3.py": (
         "test_dead_holders_lease_expires_a_live_holders_never",
         "test_two_machines_racing_for_one_key_exactly_one_wins",

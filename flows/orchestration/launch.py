@@ -25,6 +25,7 @@ from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
 from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
+from stages.engine.runner import check_store_writable
 from stages.engine.tracking import TRACK_ENV
 from stages.graph import GRAPH
 
@@ -34,8 +35,10 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
     args = parser(prog, default_pipeline).parse_args(argv)
     with user_errors() as failed:
         # the plan: config, data, inputs, hub checked and every key computed, before Prefect starts
-        plan = GRAPH.plan(GRAPH.load(args), open_store(), only=args.only, until=args.until, force=args.force,
+        store = open_store()
+        plan = GRAPH.plan(GRAPH.load(args), store, only=args.only, until=args.until, force=args.force,
                           verify=args.verify)
+        check_store_writable(plan, store, note=False)  # one that cannot be written: refused before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
         from flows.orchestration import api_watch
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good

@@ -9,6 +9,7 @@ else the newest artifact of that stage made by the same pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
-from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
+from stages.engine.errors import ConfigError, FinetuneError, MissingInputError, StoreUnavailableError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
 from stages.engine.store import GC_LOCK, TMP_NAME, Lookup, StageKey, Store, folder_size
@@ -346,6 +347,11 @@ def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE
     Artifacts committed and work written less than `min_age_s` ago are kept."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
+    if (why := store.unwritable()) is not None:  # a dry run only lists: it reads the store and takes no lock
+        if force:
+            raise StoreUnavailableError(f"inspect gc --force: the store {store} cannot be written: {why}; nothing "
+                                        f"was removed. Run it as a user who can write the store")
+        store.read_only = True
     dropped = list(drop)
     unknown = [n for n in dropped if n not in store.ref_names()]
     if unknown:
@@ -356,7 +362,7 @@ def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE
             store.drop_ref(name)
     invalid: dict[tuple[str, str], str] = {}
     keep = reachable_keys(store, graph, pipelines_file, keep_refs, invalid, skip_refs=set(dropped))
-    with store.lock(GC_LOCK, "gc"):
+    with contextlib.nullcontext() if store.read_only else store.lock(GC_LOCK, "gc"):
         live = store.live_keys()
         garbage = find_garbage(store, keep | live, invalid)
         for g in garbage:
