@@ -69,7 +69,7 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
         store.set_ref(plan.cfg.name, st.name, sk.key)
     except Exception as e:  # a full disk or a store that stopped answering: one line, not a traceback
         if is_unreachable(e) and not isinstance(e, FinetuneError):
-            raise StoreUnavailableError(f"stage {st.name}: the store {store} stopped answering ({store_failure(e)}); "
+            raise StoreUnavailableError(f"stage {st.name}: the store {store} stopped answering: {store_failure(e)}; "
                                         f"nothing of {st.name} was committed and the stages before it stay in the "
                                         f"store: rerun once it answers, which reuses them") from e
         if not is_disk_full(e):

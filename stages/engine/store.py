@@ -49,7 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from stages.engine.errors import ConfigError, CorruptArtifactError
+from stages.engine.errors import ConfigError, CorruptArtifactError, store_failure
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
 from stages.engine.names import name_problem
 from stages.engine.stage import loaded
@@ -251,7 +251,12 @@ class Store:
         try:
             yield
         finally:
-            self._release_live(handle)
+            try:
+                self._release_live(handle)
+            except Exception as e:  # noqa: BLE001  (a shared store that stopped answering: the run's own error
+                # says so; its registration, a lease, runs out by itself)
+                log.warning("store %s: this run's registration was not removed (%s); it runs out by itself", self,
+                            store_failure(e))
 
     def _register_live(self, keys: list[tuple[str, str]]) -> Any:
         path = self.root / ".state" / "live" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
