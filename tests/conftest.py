@@ -95,6 +95,7 @@ SLOW = {
         "test_a_stopped_run_crashes_and_stops_its_temporary_server",
         "test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed",
         "test_a_prefect_server_killed_mid_run_ends_the_run_with_one_line",
+        "test_a_prefect_api_url_server_killed_mid_run_ends_the_run_with_one_line",
     ),
     "tests/flows/test_server_home.py": (
         "test_a_command_line_run_appears_in_the_server_the_readme_starts",
