@@ -46,6 +46,7 @@ class ServerWatch:
         self.url = api_url.rstrip("/")
         self.down_since: float | None = None  # the first unanswered poll of the current outage
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True, name="prefect-server-watch")
 
     def start(self) -> ServerWatch:
@@ -80,9 +81,12 @@ class ServerWatch:
         return answered
 
     def _poll(self) -> None:
-        while True:
-            time.sleep(POLL_S)
+        while not self._stopped.wait(POLL_S):
             self.check()
+
+    def stop(self) -> None:
+        """No more polls (the run is over: its temporary server is about to stop)."""
+        self._stopped.set()
 
     def gone(self) -> bool:
         """At a stage boundary: whether the server is gone (unanswered for GRACE_S). A server that just went
@@ -122,12 +126,22 @@ def flow_returned() -> None:
     """The flow has returned (or raised): from here on Ctrl-C and SIGTERM need not go through Prefect."""
     global _returned
     _returned = True
+    if _watch is not None:
+        _watch.stop()
 
 
 def leave_at_once() -> bool:
     """Whether a stop signal should end the process now (`leave`) rather than unwind through Prefect: the
     server is down (Prefect's crash report would wait on it) or the flow has returned (the exit drain)."""
     return _returned or (_watch is not None and _watch.down())
+
+
+def exit_now_if_down(code: int) -> int:
+    """After the flow: `code`, or, when the server went down since (Prefect's exit drain would wait on it), the
+    process ends now with that code."""
+    if _watch is not None and not _watch.check():
+        leave(code)
+    return code
 
 
 def gone_line(committed: list[str], stopped_before: str | None = None, rerun: str = "", finished: bool = True) -> str:

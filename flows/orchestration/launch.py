@@ -60,9 +60,9 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
             api_watch.flow_returned()
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
-            return 2
+            return api_watch.exit_now_if_down(2)
         print(f"store: {store_root()}")
-        return 0
+        return api_watch.exit_now_if_down(0)
     return failed.code
 
 
