@@ -131,9 +131,16 @@ EXIT_DRAIN = Workaround(
     "KeyboardInterrupt then printed a traceback and exited 1. A run that knows its server is gone, or is "
     "stopped during that drain, ends with os._exit instead (api_watch.leave).")
 
+FAILED_STATE_TRACEBACK = Workaround(
+    "a failed state's empty traceback", ">=3.9,<3.10", "prefect.task_engine", ("SyncTaskRunEngine.handle_retry",),
+    "a task that returns a Failed state (a stage's one-line user error) is logged `Task run failed with state: "
+    "Failed(...)` with exc_info=True and no exception being handled, so the line was followed by a stray "
+    "`NoneType: None`; a filter on the task-run logger drops that empty exc_info (a real exception keeps its "
+    "traceback).")
+
 WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBACK, TASK_RUN_NAMES,
                CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START, CANCELLED_BY_RUNNER, DEAD_SERVER_NOISE,
-               TEMPORARY_SERVER_STOP, EXIT_DRAIN)
+               TEMPORARY_SERVER_STOP, EXIT_DRAIN, FAILED_STATE_TRACEBACK)
 
 # the loggers on which the engine logs a failed run's exception (ENGINE_TRACEBACK)
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
@@ -241,6 +248,20 @@ def say_who_cancelled() -> None:
     logger = logging.getLogger("prefect.flow_runs")
     if not any(isinstance(f, _CancelledByRunner) for f in logger.filters):
         logger.addFilter(_CancelledByRunner())
+
+
+class _NoEmptyTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is None:
+            record.exc_info = None
+        return True
+
+
+def no_empty_tracebacks() -> None:
+    """FAILED_STATE_TRACEBACK (idempotent): a filter on the task-run logger."""
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, _NoEmptyTraceback) for f in logger.filters):
+        logger.addFilter(_NoEmptyTraceback())
 
 
 # DEAD_SERVER_NOISE: (logger, how its complaint about an unreachable API starts)
