@@ -109,6 +109,7 @@ def test_a_failed_states_line_has_no_empty_traceback_and_an_exception_keeps_its_
     compat_prefect.no_empty_tracebacks()
     logger, out = logging.getLogger("prefect.task_runs"), io.StringIO()
     monkeypatch.setattr(logger, "propagate", False)  # to this handler only, not Prefect's API handler
+    monkeypatch.setattr(logger, "handlers", [])
     handler = logging.StreamHandler(out)
     logger.addHandler(handler)
     try:
