@@ -45,11 +45,13 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_a_read_only_store_serves_a_fully_cached_run_and_refuses_one_that_computes_before_prefect_starts(store_dir):
+    """As root too: the child loses root's override of permissions, so the folder is read-only to it."""
     run("tiny-imdb", *SETS, until="tokenize")
     chmod_tree(store_dir, writable=False)
     before = snapshot(store_dir)
     try:
         cached = cli(store_dir, "stages", "tiny-imdb", "--until", "tokenize", "--set", SETS[0])
+        cached_flow = cli(store_dir, "flows.finetune", "tiny-imdb", "--until", "tokenize", "--set", SETS[0])
         computes = cli(store_dir, "flows.finetune", "tiny-imdb", "--until", "model", "--set", SETS[0])
         gc = cli(store_dir, "flows.inspect", "gc", "--force")
         dry_gc = cli(store_dir, "flows.inspect", "gc")
@@ -61,6 +63,9 @@ def test_a_read_only_store_serves_a_fully_cached_run_and_refuses_one_that_comput
         [["data", "cached"], ["tokenize", "cached"]]
     assert f"store {store_dir} cannot be written ({store_dir} is not writable by this user); every stage is " \
         "cached, so this run only reads it" in out
+    flow_out = cached_flow.stdout + cached_flow.stderr
+    assert cached_flow.returncode == 0 and "Traceback" not in flow_out, flow_out[-3000:]
+    assert "Finished in state Cached('store hit" in flow_out and f"store: {store_dir}" in cached_flow.stdout
     assert computes.returncode == 2 and computes.stdout == "", computes.stdout + computes.stderr
     assert computes.stderr == (
         f"error: the store {store_dir} cannot be written: {store_dir} is not writable by this user; stage model "
