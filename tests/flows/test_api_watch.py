@@ -7,11 +7,16 @@ from __future__ import annotations
 import contextlib
 import http.server
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+from helpers import ROOT
 
 from flows.orchestration import api_watch
 
@@ -87,3 +92,30 @@ def test_the_last_line_says_what_is_in_the_store_and_how_to_go_on(monkeypatch, c
         monkeypatch.delenv("PREFECT_API_URL", raising=False)
     line = api_watch.gone_line(committed, before, "CMD")
     assert line == f"the Prefect server at http://127.0.0.1:9/api stopped answering at {watch.since()}{expected}"
+
+
+# A process whose flow has returned and that now waits at exit the way Prefect's drain of events and logs does
+# (a threading exit hook, before the interpreter's atexit hooks), e.g. on a server that stopped answering.
+DRAINING = """
+import sys, threading, time
+from flows.orchestration import api_watch
+from flows.orchestration.signals import stop_cleanly_on_signals
+stop_cleanly_on_signals()
+api_watch.flow_returned()
+threading._register_atexit(lambda: time.sleep(60))
+print("draining", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("sig", "rc", "line"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_or_sigterm_during_the_exit_drain_is_its_exit_code_and_one_line(sig, rc, line):
+    p = subprocess.Popen([sys.executable, "-c", DRAINING], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "draining\n"
+        time.sleep(0.5)  # in the exit hook
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == rc and err == f"{line}; committed stages stay in the store, the next run resumes from them\n"
