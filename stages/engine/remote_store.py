@@ -40,7 +40,13 @@ from typing import Any
 import fsspec
 
 from stages.engine.config import store_root
-from stages.engine.errors import ConfigError, CorruptArtifactError, store_failure
+from stages.engine.errors import (
+    ConfigError,
+    CorruptArtifactError,
+    StoreUnavailableError,
+    is_unreachable,
+    store_failure,
+)
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import KeysLease, Lease
 from stages.engine.lease import alive as lease_alive
@@ -143,13 +149,17 @@ class RemoteStore(Store):
 
     def unwritable(self) -> str | None:
         """Why this process cannot write the shared store (None when it can): a small object written and
-        removed under `.probe/`, so a missing bucket, missing rights or an endpoint that does not answer
-        show up as a write would meet them (two requests, before a run)."""
+        removed under `.probe/`, so a missing bucket or missing rights show up as a write would meet them
+        (two requests, before a run). An endpoint that does not answer raises StoreUnavailableError."""
         probe = self._r(".probe", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             self.fs.pipe_file(probe, b"")
             self.fs.rm_file(probe)
         except Exception as e:  # noqa: BLE001  (s3fs, gcsfs... each raise their own)
+            if is_unreachable(e):  # it cannot be read either: no run can use it
+                raise StoreUnavailableError(f"the store {self} cannot be reached: {store_failure(e)}; check its "
+                                            f"endpoint (AWS_ENDPOINT_URL) and the network, or set FINETUNE_STORE "
+                                            f"to another store") from e
             return store_failure(e)
         return None
 

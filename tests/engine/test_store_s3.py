@@ -184,3 +184,19 @@ def test_an_s3_server_that_dies_mid_run_is_one_line(tmp_path):
         r"error: stage train: the store s3://finetune-test/store stopped answering: its endpoint does not answer "
         r"\(EndpointConnectionError: .*\); nothing of train was committed and the stages before it stay in the "
         r"store: rerun once it answers, which reuses them", errors[0]), out[-3000:]
+
+
+@needs_shared_data
+def test_an_s3_endpoint_that_does_not_answer_is_one_line_before_prefect_starts(tmp_path):
+    from s3server import free_port, s3_env
+
+    env = subprocess_env("s3://finetune-test/store", FINETUNE_CACHE=str(tmp_path / "cache"),
+                         **s3_env(f"http://127.0.0.1:{free_port()}"))  # nothing listens there
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.finetune", *S3_RUN], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert re.fullmatch(r"error: the store s3://finetune-test/store cannot be reached: its endpoint does not answer "
+                        r"\(EndpointConnectionError: .*\); check its endpoint \(AWS_ENDPOINT_URL\) and the network, "
+                        r"or set FINETUNE_STORE to another store", r.stderr.splitlines()[-1]), r.stderr
+    assert "Traceback" not in r.stderr and "temporary server" not in r.stderr
