@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,9 +294,8 @@ def api_log_errors_shown(shown: bool) -> None:
 def stop_temporary_server_now() -> None:
     """TEMPORARY_SERVER_STOP: the temporary servers this process started, stopped (SIGTERM, then SIGKILL after
     2 s: a hung server ignores the first)."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    for server in list(SubprocessASGIServer._instances.values()):
+    started = sys.modules.get("prefect.server.api.server")  # not imported: no temporary server (and no 1 s import)
+    for server in list(started.SubprocessASGIServer._instances.values()) if started else []:
         proc = getattr(server, "server_process", None)
         if proc is None or proc.poll() is not None:
             continue
