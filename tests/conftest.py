@@ -82,6 +82,7 @@ SLOW = {
     ),
     "tests/engine/test_store_s3.py": (
         "test_dead_holders_lease_expires_a_live_holders_never",
+        "test_an_s3_endpoint_that_does_not_answer_is_one_line_before_prefect_starts",
         "test_an_s3_server_that_dies_mid_run_is_one_line",
         "test_two_machines_racing_for_one_key_exactly_one_wins",
     ),
