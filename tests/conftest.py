@@ -81,8 +81,13 @@ SLOW = {
         "test_a_tracked_run_holds_its_config_history_metrics_and_keys_and_a_cached_rerun_the_same",
         "test_a_server_killed_mid_run_costs_one_warning_and_the_run_finishes",
     ),
+    "tests/engine/test_store_readonly.py": (
+        "test_a_read_only_store_serves_a_fully_cached_run_and_refuses_one_that_computes_before_prefect_starts",
+    ),
     "tests/engine/test_store_s3.py": (
         "test_dead_holders_lease_expires_a_live_holders_never",
+        "test_an_s3_endpoint_that_does_not_answer_is_one_line_before_prefect_starts",
+        "test_an_s3_server_that_dies_mid_run_is_one_line",
         "test_two_machines_racing_for_one_key_exactly_one_wins",
     ),
     "tests/flows/test_demo.py": (
@@ -94,6 +99,8 @@ SLOW = {
     "tests/flows/test_flow.py": (
         "test_a_stopped_run_crashes_and_stops_its_temporary_server",
         "test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed",
+        "test_a_prefect_server_killed_mid_run_ends_the_run_with_one_line",
+        "test_a_prefect_api_url_server_killed_mid_run_ends_the_run_with_one_line",
     ),
     "tests/flows/test_gc_results.py": (
         "test_gc_force_keeps_every_child_of_a_sweep_and_a_set_variant",

@@ -14,6 +14,8 @@ import importlib
 import logging
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,8 +108,40 @@ CANCELLED_BY_RUNNER = Workaround(
     "later, so the engine's last line names a state the run never finishes in. A filter on the flow-run logger "
     "rewrites that one line to say who sets the final state.")
 
+DEAD_SERVER_NOISE = Workaround(
+    "a dead server's complaints, once per event and log batch", ">=3.9,<3.10", "prefect.logging.handlers",
+    ("APILogWorker._handle_batch",),
+    "with the API unreachable, every event logged a warning (`Unable to connect to 'ws://.../events/in'`) and an "
+    "error (`Service 'EventsWorker' failed to process item Event(...)`, the whole event), and every log batch "
+    "wrote `--- Error logging to API ---` straight to stderr (only when logging.raiseExceptions is on). While "
+    "the run's server watch (flows/orchestration/api_watch.py) finds the server down, filters on those two "
+    "loggers drop them and raiseExceptions is off; the watch says it once.")
+
+TEMPORARY_SERVER_STOP = Workaround(
+    "the temporary server stopped from a quick exit", ">=3.9,<3.10", "prefect.server.api.server",
+    ("SubprocessASGIServer._instances",),
+    "a run that ends with os._exit (its server gone, or Ctrl-C during Prefect's exit drain) runs no exit hook, "
+    "so not the one that stops the temporary server; api_watch.leave stops it through Prefect's registry of "
+    "started servers (server_watch.py would stop a live one within seconds anyway, not a hung one).")
+
+EXIT_DRAIN = Workaround(
+    "the exit drain that waits on a dead server", ">=3.9,<3.10", "prefect._internal.concurrency.services",
+    ("_QueueServiceBase._at_exit", "_QueueServiceBase.drain"),
+    "Prefect drains its event and log queues at interpreter exit (threading._register_atexit), each item "
+    "retried against the server: with the server gone the process hung there until Ctrl-C, whose "
+    "KeyboardInterrupt then printed a traceback and exited 1. A run that knows its server is gone, or is "
+    "stopped during that drain, ends with os._exit instead (api_watch.leave).")
+
+FAILED_STATE_TRACEBACK = Workaround(
+    "a failed state's empty traceback", ">=3.9,<3.10", "prefect.task_engine", ("SyncTaskRunEngine.handle_retry",),
+    "a task that returns a Failed state (a stage's one-line user error) is logged `Task run failed with state: "
+    "Failed(...)` with exc_info=True and no exception being handled, so the line was followed by a stray "
+    "`NoneType: None`; a filter on the task-run logger drops that empty exc_info (a real exception keeps its "
+    "traceback).")
+
 WORKAROUNDS = (SERVER_OWN_SESSION, RUNNER_STOP, RUNNER_PROCESSES, ENGINE_TRACEBACK, TASK_RUN_NAMES,
-               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START, CANCELLED_BY_RUNNER)
+               CHILD_FLOW_RUN_LINK, TEMPORARY_SERVER_HINT, FIRST_START, CANCELLED_BY_RUNNER, DEAD_SERVER_NOISE,
+               TEMPORARY_SERVER_STOP, EXIT_DRAIN, FAILED_STATE_TRACEBACK)
 
 # the loggers on which the engine logs a failed run's exception (ENGINE_TRACEBACK)
 ENGINE_LOGGERS = ("prefect.flow_runs", "prefect.engine")
@@ -215,6 +249,61 @@ def say_who_cancelled() -> None:
     logger = logging.getLogger("prefect.flow_runs")
     if not any(isinstance(f, _CancelledByRunner) for f in logger.filters):
         logger.addFilter(_CancelledByRunner())
+
+
+class _NoEmptyTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is None:
+            record.exc_info = None
+        return True
+
+
+def no_empty_tracebacks() -> None:
+    """FAILED_STATE_TRACEBACK (idempotent): a filter on the task-run logger."""
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, _NoEmptyTraceback) for f in logger.filters):
+        logger.addFilter(_NoEmptyTraceback())
+
+
+# DEAD_SERVER_NOISE: (logger, how its complaint about an unreachable API starts)
+DEAD_SERVER_COMPLAINTS = (("prefect.events.clients", "Unable to connect to"),
+                          ("prefect._internal.concurrency", "Service %r failed to process item"))
+
+
+class _WhileDown(logging.Filter):
+    def __init__(self, down: Callable[[], bool], starts: str):
+        super().__init__()
+        self.down, self.starts = down, starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.starts) and self.down())
+
+
+def quiet_prefect_while(down: Callable[[], bool]) -> None:
+    """DEAD_SERVER_NOISE: while down(), Prefect's complaint per event about an unreachable API is dropped."""
+    for name, starts in DEAD_SERVER_COMPLAINTS:
+        logging.getLogger(name).addFilter(_WhileDown(down, starts))
+
+
+def api_log_errors_shown(shown: bool) -> None:
+    """DEAD_SERVER_NOISE: Prefect's log worker writes `--- Error logging to API ---` per failed batch only
+    while logging.raiseExceptions is on (the standard library's switch for handler errors)."""
+    logging.raiseExceptions = shown
+
+
+def stop_temporary_server_now() -> None:
+    """TEMPORARY_SERVER_STOP: the temporary servers this process started, stopped (SIGTERM, then SIGKILL after
+    2 s: a hung server ignores the first)."""
+    started = sys.modules.get("prefect.server.api.server")  # not imported: no temporary server (and no 1 s import)
+    for server in list(started.SubprocessASGIServer._instances.values()) if started else []:
+        proc = getattr(server, "server_process", None)
+        if proc is None or proc.poll() is not None:
+            continue
+        proc.terminate()
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def runner_with_sigterm_handler(on_sigterm: Any, **runner_kwargs: Any) -> Any:

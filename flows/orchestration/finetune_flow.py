@@ -10,9 +10,11 @@ from typing import Any, cast
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
+from prefect.context import FlowRunContext
 from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
+from flows.orchestration import api_watch
 from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
 from flows.orchestration.ui_artifacts import publish
@@ -45,7 +47,8 @@ def stage_task(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]
         return Completed(name="Joined", message=outcome.manifest.get("role"), data=outcome)
     if not outcome.computed:  # no upload: the artifacts under its stable keys are still the computed run's
         return Completed(name="Cached", message=f"store hit {outcome.key[:12]}", data=outcome)
-    publish(plan.cfg.name, outcome)
+    if not api_watch.gone():  # else each upload would wait a minute of retries on a dead server
+        publish(plan.cfg.name, outcome)
     return outcome
 
 
@@ -61,6 +64,7 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
              config: str | None = None) -> list[dict[str, Any]] | State:
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"]."""
     route_logs()
+    api_watch.attach(str(FlowRunContext.get().client.api_url))
     flow_run_id = current_flow_run_id()
     claim_and_reap(flow_run_id)
     store = open_store()
@@ -72,17 +76,29 @@ def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
     except FinetuneError as e:  # an unknown stage name, --only without its upstream: one line, as a stage's
         return user_error(e)
     states: dict[str, State] = {}
+    gone = ""  # the last line when the Prefect server is gone (api_watch): the run then ends past Prefect
     with run:
         for item in run.pending():
+            if api_watch.gone():  # the run cannot be recorded: it stops here, what it committed stays
+                gone = api_watch.gone_line([o.stage for o in run.outcomes], item.name, plan.run_command())
+                run.fail(gone)
+                break
             # quoted: Prefect would otherwise walk the plan, the store and every manifest so far looking for
             # futures (18 ms a task, bench/run_overhead.py); they hold none
             state = states[item.name] = STAGE_TASKS[item.name](quote(plan), quote(item), quote(store), quote(run.done),
                                                                return_state=True)
             if state.is_failed():
                 run.fail(state.message or "failed")
+                if api_watch.gone():
+                    api_watch.leave(2, f"error: stage {item.name}: {state.message}",
+                                    f"error: {api_watch.gone_line([], finished=False)}")
                 return Failed(message=f"stage {item.name}: {state.message}")
             print(describe(run.finished(cast(Outcome, state.result()))))
+        if not gone and api_watch.gone():
+            gone = api_watch.gone_line([])
     if line := run.transfer_line():
         print(line)
+    if gone:  # past Prefect: its final state and its exit drain would each wait on the dead server
+        api_watch.leave(api_watch.EXIT_CODE, f"error: {gone}", f"store: {store}")
     return [{"stage": o.stage, "key": o.key, "path": str(o.path), "computed": o.computed,
              "state": states[o.stage].name, "duration_s": o.manifest.get("duration_s")} for o in run.outcomes]

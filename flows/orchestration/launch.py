@@ -25,6 +25,7 @@ from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
 from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
+from stages.engine.runner import check_store_writable
 from stages.engine.tracking import TRACK_ENV
 from stages.graph import GRAPH
 
@@ -34,22 +35,34 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
     args = parser(prog, default_pipeline).parse_args(argv)
     with user_errors() as failed:
         # the plan: config, data, inputs, hub checked and every key computed, before Prefect starts
-        plan = GRAPH.plan(GRAPH.load(args), open_store(), only=args.only, until=args.until, force=args.force,
+        store = open_store()
+        plan = GRAPH.plan(GRAPH.load(args), store, only=args.only, until=args.until, force=args.force,
                           verify=args.verify)
+        check_store_writable(plan, store, note=False)  # one that cannot be written: refused before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
+        from flows.orchestration import api_watch
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
 
         stop_cleanly_on_signals()
+        api_watch.watch_the_server()
         hand_over(plan, request(args.pipeline, args.overrides, args.config, args.only, args.until, args.force,
                                 args.verify))
-        state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
-                         str(args.config), return_state=True)
+        try:
+            state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
+                             str(args.config), return_state=True)
+        except Exception:  # the server went down after the last stage: Prefect's final call failed
+            if api_watch.gone():
+                api_watch.leave(api_watch.EXIT_CODE, f"error: {api_watch.gone_line([], finished=False)}",
+                                f"store: {store_root()}")
+            raise
+        finally:
+            api_watch.flow_returned()
         if state.is_failed():
             print(f"error: {state.message}", file=sys.stderr)
-            return 2
+            return api_watch.exit_now_if_down(2)
         print(f"store: {store_root()}")
-        return 0
+        return api_watch.exit_now_if_down(0)
     return failed.code
 
 

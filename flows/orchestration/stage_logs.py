@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from flows.orchestration.compat_prefect import ENGINE_LOGGERS, say_who_cancelled
+from flows.orchestration.compat_prefect import ENGINE_LOGGERS, no_empty_tracebacks, say_who_cancelled
 from stages.engine.errors import FinetuneError
 
 
@@ -68,3 +68,4 @@ def route_logs() -> None:
     send_stage_logs_to_prefect()
     quiet_user_error_tracebacks()
     say_who_cancelled()
+    no_empty_tracebacks()

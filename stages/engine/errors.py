@@ -36,6 +36,10 @@ class NonFiniteOutputError(FinetuneError):
     """A model produced NaN or infinite outputs (corrupt or diverged weights)."""
 
 
+class StoreUnavailableError(FinetuneError):
+    """The store cannot be written (a read-only folder, a missing bucket, no rights) or does not answer."""
+
+
 class DiskFullError(FinetuneError):
     """A disk filled (or a file-size or quota limit was reached) while a stage wrote; nothing was committed."""
 
@@ -46,15 +50,39 @@ _FULL_ERRNOS = {28, 122, 27}
 _FULL_WORDS = ("no space left on device", "disk quota exceeded", "file too large", "database or disk is full")
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and all(cur is not s for s in seen):
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
 def is_disk_full(e: BaseException) -> bool:
     """Whether an exception, or one it was raised from, says a disk (or a file-size limit) is full."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, OSError) and cur.errno in _FULL_ERRNOS:
-            return True
-        if any(w in str(cur).lower() for w in _FULL_WORDS):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    return any((isinstance(c, OSError) and c.errno in _FULL_ERRNOS) or any(w in str(c).lower() for w in _FULL_WORDS)
+               for c in _chain(e))
+
+
+# How an fsspec store (s3fs through botocore and aiohttp) says its endpoint does not answer: a refused or
+# timed-out connection, by class name, so that the engine imports none of those libraries.
+_UNREACHABLE_CLASSES = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
+                        "ReadTimeoutError", "ClientConnectorError", "ServerDisconnectedError")
+
+
+def is_unreachable(e: BaseException) -> bool:
+    """Whether an exception, or one it was raised from, says a store's endpoint did not answer."""
+    return any(isinstance(c, ConnectionError) or type(c).__name__ in _UNREACHABLE_CLASSES for c in _chain(e))
+
+
+def store_failure(e: BaseException) -> str:
+    """What a store's write or read failed on, in words (a missing bucket, no rights, no answer)."""
+    for c in _chain(e):
+        if isinstance(c, FileNotFoundError) and "bucket" in str(c).lower():
+            return "its bucket does not exist"
+        if isinstance(c, PermissionError):
+            return f"permission denied ({str(c)[:120]})"
+    if is_unreachable(e):
+        return f"its endpoint does not answer ({type(e).__name__}: {str(e)[:160]})"
+    return f"{type(e).__name__}: {str(e)[:160]}"

@@ -40,7 +40,13 @@ from typing import Any
 import fsspec
 
 from stages.engine.config import store_root
-from stages.engine.errors import ConfigError, CorruptArtifactError
+from stages.engine.errors import (
+    ConfigError,
+    CorruptArtifactError,
+    StoreUnavailableError,
+    is_unreachable,
+    store_failure,
+)
 from stages.engine.fingerprint import sha256_text
 from stages.engine.lease import KeysLease, Lease
 from stages.engine.lease import alive as lease_alive
@@ -140,6 +146,22 @@ class RemoteStore(Store):
 
     def exists(self) -> bool:
         return True  # an empty bucket is an empty store
+
+    def unwritable(self) -> str | None:
+        """Why this process cannot write the shared store (None when it can): a small object written and
+        removed under `.probe/`, so a missing bucket or missing rights show up as a write would meet them
+        (two requests, before a run). An endpoint that does not answer raises StoreUnavailableError."""
+        probe = self._r(".probe", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.fs.pipe_file(probe, b"")
+            self.fs.rm_file(probe)
+        except Exception as e:  # noqa: BLE001  (s3fs, gcsfs... each raise their own)
+            if is_unreachable(e):  # it cannot be read either: no run can use it
+                raise StoreUnavailableError(f"the store {self} cannot be reached: {store_failure(e)}; check its "
+                                            f"endpoint (AWS_ENDPOINT_URL) and the network, or set FINETUNE_STORE "
+                                            f"to another store") from e
+            return store_failure(e)
+        return None
 
     # ------------------------------------------------------------ remote paths
     def _r(self, *parts: str) -> str:
@@ -390,7 +412,7 @@ class RemoteStore(Store):
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")
-        if self.refs(pipeline).get(stage) == key:
+        if self.refs(pipeline).get(stage) == key or self.read_only:
             return  # a cached rerun writes nothing
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
@@ -427,6 +449,8 @@ class RemoteStore(Store):
             self.fs.rm_file(self._r(RESULTS, f"{rid}.json"))
 
     def log_event(self, **event: Any) -> None:
+        if self.read_only:
+            return
         record = {"time": now_iso(), "pid": os.getpid(), "host": socket.gethostname(), **event}
         name = f"{time.time_ns()}-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
         self.fs.pipe_file(self._r("events", name), json.dumps(record, default=str).encode())

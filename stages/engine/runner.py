@@ -14,12 +14,21 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
-from stages.engine.errors import DiskFullError, MissingInputError, is_disk_full
+from stages.engine.errors import (
+    DiskFullError,
+    FinetuneError,
+    MissingInputError,
+    StoreUnavailableError,
+    is_disk_full,
+    is_unreachable,
+    store_failure,
+)
 from stages.engine.plan import FORCE, Plan, Planned
 from stages.engine.results import ResultRecorder
 from stages.engine.runs import RunRecord, records_root
 from stages.engine.schema import PipelineConfig
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
+from stages.engine.status import CACHED, lookups
 from stages.engine.store import Outcome, Store
 from stages.engine.tracking import RunTracking
 from stages.engine.units import human_bytes
@@ -59,7 +68,11 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
                             upstream_digests=digests, force=force, verify=plan.verify, args=context,
                             volatile=st.volatile)
         store.set_ref(plan.cfg.name, st.name, sk.key)
-    except Exception as e:  # a full disk, wherever the stage or the store wrote: one line, not a traceback
+    except Exception as e:  # a full disk or a store that stopped answering: one line, not a traceback
+        if is_unreachable(e) and not isinstance(e, FinetuneError):
+            raise StoreUnavailableError(f"stage {st.name}: the store {store} stopped answering: {store_failure(e)}; "
+                                        f"nothing of {st.name} was committed and the stages before it stay in the "
+                                        f"store: rerun once it answers, which reuses them") from e
         if not is_disk_full(e):
             raise
         raise DiskFullError(f"stage {st.name}: the disk is full ({e.__class__.__name__}: {str(e)[:120]}); "
@@ -67,6 +80,31 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
                             f"all) and committed stages stay in the store: free space (finetune inspect gc "
                             f"--force) or set FINETUNE_STORE to a larger disk, then rerun") from e
     return outcome
+
+
+def check_store_writable(plan: Plan, store: Store, note: bool = True) -> None:
+    """Before anything runs (a command line calls it before Prefect starts, and every Execution): a store this
+    process cannot write (a read-only folder, a missing bucket, no rights) is refused in one line, unless the
+    run needs no write: every stage it runs is a store hit. Then the store is used read-only (no refs, events,
+    run record or gc registration are written), with a warning."""
+    if store.read_only or (why := store.unwritable()) is None:
+        return
+    try:
+        found = lookups(plan, store)
+    except Exception as e:  # it cannot be read either (an endpoint that does not answer)
+        raise StoreUnavailableError(f"the store {store} cannot be written: {why}; fix that, or set FINETUNE_STORE "
+                                    f"to a store you can write") from e
+    compute = [i.name for i in plan.steps if i.action == FORCE or found[i.name].why != CACHED]
+    if compute:
+        raise StoreUnavailableError(
+            f"the store {store} cannot be written: {why}; stage {compute[0]} must be computed "
+            f"({'forced' if plan[compute[0]].action == FORCE else found[compute[0]].why}) and cannot be committed "
+            f"there. Make it writable (or create its bucket), or set FINETUNE_STORE to a store you can write (a "
+            f"store that cannot be written serves fully cached runs only)")
+    store.read_only = True
+    if note:
+        log.warning("store %s cannot be written (%s); every stage is cached, so this run only reads it: no refs, "
+                    "events or run record are written there", store, why)
 
 
 def free_space(store: Store) -> str:
@@ -115,6 +153,7 @@ class Execution:
 
     def __init__(self, plan: Plan, store: Store, tags: dict[str, str] | None = None):
         self.plan, self.store = plan, store
+        check_store_writable(plan, store)
         if freed := store.local.sweep_tmp():  # what runs that died on this store left in .tmp
             log.info("store: removed %s of dead runs' temporary folders (.tmp)", human_bytes(freed))
         self.done = read_upstream(plan, store)

@@ -9,6 +9,7 @@ else the newest artifact of that stage made by the same pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterable
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
-from stages.engine.errors import ConfigError, FinetuneError, MissingInputError
+from stages.engine.errors import ConfigError, FinetuneError, MissingInputError, StoreUnavailableError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
 from stages.engine.results import Result, read_results
@@ -439,10 +440,15 @@ def gc(store: Store, graph: Graph, pipelines_file: Path | str = DEFAULT_PIPELINE
     artifacts and bytes."""
     if not store.exists():
         raise MissingInputError(f"store {store} does not exist; set FINETUNE_STORE or run a pipeline first")
+    if (why := store.unwritable()) is not None:  # a dry run only lists: it reads the store and takes no lock
+        if force:
+            raise StoreUnavailableError(f"inspect gc --force: the store {store} cannot be written: {why}; nothing "
+                                        f"was removed. Run it as a user who can write the store")
+        store.read_only = True
     invalid: dict[tuple[str, str], str] = {}
     sources = current_keys(store, graph, pipelines_file, invalid)  # a pipeline that cannot be planned stops gc here
     cutoff = None if older_than_s is None else datetime.now(UTC) - timedelta(seconds=older_than_s)
-    with store.lock(GC_LOCK, "gc"):
+    with contextlib.nullcontext() if store.read_only else store.lock(GC_LOCK, "gc"):
         # the live runs first: one that ends after this wrote its results and refs before it ended
         live = store.live_keys()
         results = read_results(store)

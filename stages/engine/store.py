@@ -50,7 +50,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from stages.engine.errors import ConfigError, CorruptArtifactError
+from stages.engine.errors import ConfigError, CorruptArtifactError, store_failure
 from stages.engine.fingerprint import HashMemo, canonical_json, file_sha256, sha256_text
 from stages.engine.names import name_problem
 from stages.engine.stage import loaded
@@ -191,6 +191,9 @@ class Store:
     def __init__(self, root: Path | str):
         self.root = Path(root)
         self._hashes: HashMemo | None = None
+        # a store this process cannot write, used by a run that needs no write (every stage a hit: see
+        # runner.check_store_writable): no refs, events, live registration or .tmp sweep are written
+        self.read_only = False
 
     def __str__(self) -> str:
         return str(self.root)
@@ -240,13 +243,22 @@ class Store:
     @contextlib.contextmanager
     def protecting(self, keys: Iterable[tuple[str, str]]) -> Iterator[None]:
         """While inside, gc keeps these (stage, key)s, artifacts and work: a run's whole plan, from its start
-        to its end. Registered under the store-wide gc lock, so a gc sweeping now finishes first."""
+        to its end. Registered under the store-wide gc lock, so a gc sweeping now finishes first. A read-only
+        store registers nothing (no gc can run there either)."""
+        if self.read_only:
+            yield
+            return
         with self.lock(GC_LOCK, "run"):
             handle = self._register_live(sorted(keys))
         try:
             yield
         finally:
-            self._release_live(handle)
+            try:
+                self._release_live(handle)
+            except Exception as e:  # noqa: BLE001  (a shared store that stopped answering: the run's own error
+                # says so; its registration, a lease, runs out by itself)
+                log.warning("store %s: this run's registration was not removed (%s); it runs out by itself", self,
+                            store_failure(e))
 
     def _register_live(self, keys: list[tuple[str, str]]) -> Any:
         path = self.root / ".state" / "live" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
@@ -331,6 +343,25 @@ class Store:
     def exists(self) -> bool:
         return self.root.is_dir()
 
+    BOOKKEEPING = (".locks", ".tmp", ".state", ".work", "refs", "runs")  # written by every run, cached or not
+
+    def unwritable(self) -> str | None:
+        """Why this process cannot write the store (None when it can): its root (the nearest folder that exists
+        when it does not yet) and the bookkeeping folders a run writes, asked of the OS (a read-only mount,
+        permissions, ACLs), nothing written."""
+        folder = self.root
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        for path in [folder, *(p for name in self.BOOKKEEPING if (p := self.root / name).is_dir())]:
+            if not os.access(path, os.W_OK | os.X_OK):
+                try:
+                    readonly_fs = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+                except OSError:
+                    readonly_fs = False
+                return f"{path} is on a read-only file system" if readonly_fs else \
+                    f"{path} is not writable by this user"
+        return None
+
     def location(self, stage: str, key: str) -> str:
         """Where the artifact lives, for people: its folder here, its URL on a shared store."""
         return str(self.artifact_dir(stage, key))
@@ -403,7 +434,7 @@ class Store:
     def set_ref(self, pipeline: str, stage: str, key: str) -> None:
         if problem := name_problem(pipeline):  # the schema refuses it first; a ref never escapes the store
             raise ConfigError(f"pipeline name {problem}")
-        if self.refs(pipeline).get(stage) == key:
+        if self.refs(pipeline).get(stage) == key or self.read_only:
             return  # a cached rerun writes nothing
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
@@ -446,6 +477,8 @@ class Store:
             self.write_result(rid, record)
 
     def log_event(self, **event: Any) -> None:
+        if self.read_only:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"time": now_iso(), "pid": os.getpid(), **event}, default=str) + "\n"
         fd = os.open(self.root / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -598,7 +631,7 @@ class Store:
         """.tmp entries no live process owns: a trash or gc folder whose removal was cut short, or a stage's
         half-written output whose key lock nobody holds (a live writer holds it until it commits)."""
         tmp_root = self.root / ".tmp"
-        if not tmp_root.is_dir():
+        if not tmp_root.is_dir() or self.read_only:  # its key locks cannot be taken: nothing is known dead
             return []
         dead = []
         for d in sorted(tmp_root.iterdir()):
@@ -612,6 +645,8 @@ class Store:
 
     def sweep_tmp(self) -> int:
         """Remove the dead .tmp entries (each rechecked under its key's lock); the bytes freed."""
+        if self.read_only:
+            return 0
         freed = 0
         for d in self.dead_tmp():
             m = TMP_NAME.fullmatch(d.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import needs_shared_data, subprocess_env
 
 from stages.engine.remote_store import RemoteStore
 
@@ -129,3 +131,72 @@ def test_a_crashed_runs_newest_checkpoint_resumes_on_another_machine(url, tmp_pa
     assert b.run(sk, resuming, pipeline="p", config={}).computed
     assert seen["found"] == ["checkpoints/step-2/progress.json", "checkpoints/step-2/weights"]
     assert not b.fs.exists(b._work_url("train", sk.key))  # committed: the shared work is dropped
+
+
+S3_RUN = ("tiny-imdb", "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1")
+
+
+@needs_shared_data
+def test_a_missing_bucket_is_one_line_before_prefect_starts(s3_endpoint, tmp_path):
+    env = subprocess_env("s3://no-such-bucket/store", FINETUNE_CACHE=str(tmp_path / "cache"))
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.finetune", *S3_RUN], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.endswith(
+        "error: the store s3://no-such-bucket/store cannot be written: its bucket does not exist; stage data must "
+        "be computed (not in store) and cannot be committed there. Make it writable (or create its bucket), or set "
+        "FINETUNE_STORE to a store you can write (a store that cannot be written serves fully cached runs only)\n")
+    assert "Traceback" not in r.stderr and "temporary server" not in r.stderr  # before Prefect started
+
+
+@needs_shared_data
+def test_an_s3_server_that_dies_mid_run_is_one_line(tmp_path):
+    """The S3 server killed while train runs: the stage stops (its lease cannot be renewed), nothing of it is
+    committed, and the run ends with one line naming the store and the stage, exit 2, no traceback (before:
+    seven, from the stage, the lease heartbeat and the run's registration)."""
+    from s3server import moto_server, s3_env
+
+    log = tmp_path / "out.log"
+    with moto_server() as endpoint:
+        env = subprocess_env("s3://finetune-test/store", FINETUNE_CACHE=str(tmp_path / "cache"), **s3_env(endpoint))
+        subprocess.run([sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('finetune-test')"], env=env,
+                       check=True, timeout=60)
+        with log.open("w") as fh:
+            p = subprocess.Popen([sys.executable, "-m", "stages", *S3_RUN, "--set", "train.epochs=50"], cwd=ROOT,
+                                 env=env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while "Step 0002/" not in log.read_text():
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        except BaseException:
+            p.kill()
+            raise
+    try:  # the server is gone
+        code = p.wait(timeout=120)
+    finally:
+        p.kill()
+    out = log.read_text()
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: stage train: the store s3://finetune-test/store stopped answering: its endpoint does not answer "
+        r"\(EndpointConnectionError: .*\); nothing of train was committed and the stages before it stay in the "
+        r"store: rerun once it answers, which reuses them", errors[0]), out[-3000:]
+
+
+@needs_shared_data
+def test_an_s3_endpoint_that_does_not_answer_is_one_line_before_prefect_starts(tmp_path):
+    from s3server import free_port, s3_env
+
+    env = subprocess_env("s3://finetune-test/store", FINETUNE_CACHE=str(tmp_path / "cache"),
+                         **s3_env(f"http://127.0.0.1:{free_port()}"))  # nothing listens there
+    env.pop("PREFECT_API_URL", None)
+    r = subprocess.run([sys.executable, "-m", "flows.finetune", *S3_RUN], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert re.fullmatch(r"error: the store s3://finetune-test/store cannot be reached: its endpoint does not answer "
+                        r"\(EndpointConnectionError: .*\); check its endpoint \(AWS_ENDPOINT_URL\) and the network, "
+                        r"or set FINETUNE_STORE to another store", r.stderr.splitlines()[-1]), r.stderr
+    assert "Traceback" not in r.stderr and "temporary server" not in r.stderr

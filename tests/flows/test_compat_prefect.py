@@ -100,3 +100,27 @@ def test_a_run_its_runner_cancelled_does_not_finish_in_state_running():
     compat_prefect.say_who_cancelled()
     assert sum(isinstance(f, compat_prefect._CancelledByRunner)
                for f in logging.getLogger("prefect.flow_runs").filters) == 1
+
+
+def test_a_failed_states_line_has_no_empty_traceback_and_an_exception_keeps_its_own(monkeypatch):
+    import io
+    import logging
+
+    compat_prefect.no_empty_tracebacks()
+    logger, out = logging.getLogger("prefect.task_runs"), io.StringIO()
+    monkeypatch.setattr(logger, "propagate", False)  # to this handler only, not Prefect's API handler
+    monkeypatch.setattr(logger, "handlers", [])
+    handler = logging.StreamHandler(out)
+    logger.addHandler(handler)
+    try:
+        logger.error("Task run failed with state: Failed('StoreUnavailableError: ...')", exc_info=True)
+        try:
+            raise ValueError("a real one")
+        except ValueError:
+            logger.error("Task run failed with exception", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    text = out.getvalue()
+    assert "NoneType: None" not in text
+    assert text.startswith("Task run failed with state: Failed('StoreUnavailableError: ...')\nTask run failed with "
+                           "exception\nTraceback (most recent call last):") and "ValueError: a real one" in text

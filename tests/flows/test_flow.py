@@ -17,9 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
+from s3server import free_port
 
 import flows.orchestration  # noqa: F401  (project Prefect defaults)
 from stages.engine.store import Store
+from stages.graph import GRAPH
 
 pytestmark = needs_shared_data
 SMALL = {"data.subset": {"train": 40, "validation": 8, "test": 8}}
@@ -246,3 +248,95 @@ def test_kill_9_leaves_no_server_and_the_next_run_marks_it_crashed(tmp_path):
     assert "was left Running by a process that is gone: marked Crashed" in nxt.stdout + nxt.stderr
     # a tiny flow with a temporary server: its start is one line, without Prefect's advice line (TEMPORARY_SERVER_HINT)
     assert "Starting temporary server on http://127.0.0.1:" in nxt.stderr and "See https://" not in nxt.stdout + nxt.stderr
+
+
+SERVER_GONE = (r"error: the Prefect server at http://127\.0\.0\.1:\d+/api stopped answering at [\d:]+; the run "
+               r"stopped before (evaluate|export) \(data, tokenize, model, adapters, train(, evaluate)? are in the "
+               r"store\): {how}, which reuses them: ")
+
+
+def kill_its_server_mid_run(tmp_path: Path, env: dict, kill, then: str = "wait") -> tuple[int, float, str]:
+    """A run (80 training steps) whose Prefect server `kill()` kills at step 2; with then="ctrl-c", Ctrl-C once
+    the run has seen the server down. (exit code, seconds from the kill to the exit, output)."""
+    log = tmp_path / "out.log"
+    run = [*TRAINING[:5], "train.epochs=20", *TRAINING[6:]]
+    with log.open("w") as fh:
+        p = subprocess.Popen(run, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not re.search(r"Step 0002/", log.read_text()):
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            kill(p)
+            killed = time.monotonic()
+            if then == "ctrl-c":
+                while "does not answer" not in log.read_text():
+                    assert time.monotonic() - killed < 30, log.read_text()[-3000:]
+                    time.sleep(0.2)
+                os.killpg(p.pid, signal.SIGINT)
+            code = p.wait(timeout=90)
+            took = time.monotonic() - killed
+            print(f"{then}: exit {code} {took:.1f} s after the server was killed")  # shown with pytest -s -n 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    out = log.read_text()
+    for noise in ("Traceback", "Error logging to API", "EventsWorker", "Unable to connect"):
+        assert noise not in out, out[-3000:]
+    assert took < 60, out[-3000:]
+    return code, took, out
+
+
+def committed(store: Path) -> set[str]:
+    return {stage for stage, _, _ in Store(store).entries()}
+
+
+@pytest.mark.parametrize(("then", "rc", "line"), [
+    ("wait", 1, SERVER_GONE.format(how=r"rerun \(a new temporary server starts\)")),
+    ("ctrl-c", 130, r"interrupted; committed stages stay in the store"),
+])
+def test_a_prefect_server_killed_mid_run_ends_the_run_with_one_line(tmp_path, then, rc, line):
+    """The temporary Prefect server killed (-9) while the run trains. The train stage goes on and commits (the
+    store needs no server), then the run stops before evaluate: one line saying so, exit 1, within seconds
+    (before: a minute of retries per API call, a traceback, then a hang at exit until Ctrl-C, which printed a
+    KeyboardInterrupt traceback and exited 1). Ctrl-C while the server is down: exit 130 and its line at once.
+    No traceback and none of Prefect's per-event complaints either way."""
+    env = subprocess_env(tmp_path / "store")
+    env.pop("PREFECT_API_URL", None)
+
+    def kill(p: subprocess.Popen) -> None:
+        next(c for c in psutil.Process(p.pid).children(recursive=True)
+             if "server_watch.py" in " ".join(c.cmdline())).kill()
+
+    code, _, out = kill_its_server_mid_run(tmp_path, env, kill, then)
+    assert code == rc, out[-3000:]
+    assert (found := re.search(line, out)), out[-3000:]
+    if then == "wait":  # stopped before evaluate, or (train ended before the kill was seen) before export
+        assert committed(tmp_path / "store") == set(GRAPH.names[:GRAPH.names.index(found.group(1))]), out[-3000:]
+        assert f"store: {tmp_path / 'store'}" in out
+    else:  # stopped in train: a resume checkpoint, nothing of train committed
+        assert "train" not in committed(tmp_path / "store")
+        assert re.search(r"train: Ctrl-C \(SIGINT\) at step \d+ of \d+: checkpoint", out), out[-3000:]
+
+
+def test_a_prefect_api_url_server_killed_mid_run_ends_the_run_with_one_line(tmp_path):
+    """The same with the server PREFECT_API_URL names (`prefect server start`, killed with its process group):
+    the line says to start it again."""
+    from cluster import PREFECT, answering, start
+
+    env = subprocess_env(tmp_path / "store", PREFECT_HOME=str(tmp_path / "home"), PREFECT_UI_ENABLED="false",
+                         PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    port = free_port()
+    env["PREFECT_API_URL"] = api = f"http://127.0.0.1:{port}/api"
+    server = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, tmp_path,
+                   tmp_path / "server.log")
+    try:
+        answering(f"{api}/health", server, tmp_path / "server.log", 300)
+        code, _, out = kill_its_server_mid_run(tmp_path, env, lambda p: os.killpg(server.pid, signal.SIGKILL))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert code == 1, out[-3000:]
+    assert (found := re.search(SERVER_GONE.format(how="start it again, then rerun"), out)), out[-3000:]
+    assert committed(tmp_path / "store") == set(GRAPH.names[:GRAPH.names.index(found.group(1))]), out[-3000:]
