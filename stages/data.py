@@ -467,18 +467,17 @@ def check_rows(cfg: PipelineConfig) -> None:
         for where, present in sources:
             _check_header(cfg, where, present, needed)
         return
-    files = _local_label_files(d)
-    if files is None:  # aclImdb: what aclimdb.read_* give
-        _check_header(cfg, str(local_path(d.path)), ["id", "text", "label"], needed)
+    path, tables = local_path(d.path), _local_label_files(d)
+    if tables is None:  # aclImdb: what aclimdb.read_* give
+        _check_header(cfg, str(path), ["id", "text", "label"], needed)
         return
     rows: dict[str, int] = {}
-    for f in files:
+    for f in tables:
         _check_header(cfg, str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)), needed)
         n = _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
-        split_name = "train" if f == local_path(d.path) else _split_of(f.name) or "train"
+        split_name = "train" if f == path else _split_of(f.name) or "train"
         rows[split_name] = rows.get(split_name, 0) + n
-    where = local_path(d.path)
-    check_split_rows(cfg, rows, where.name if where.is_file() else f"{where}'s files")
+    check_split_rows(cfg, rows, path.name if path.is_file() else f"{path}'s files")
 
 
 def _check_header(cfg: PipelineConfig, where: str, present: list[str], needed: list[tuple[str, str, str]]) -> None:
