@@ -180,3 +180,23 @@ def test_the_no_tokenizer_and_decoy_folders_are_refused_within_5_s_before_prefec
     assert len(p.stderr.strip().splitlines()) == 1 and took < 5, (took, p.stderr)
     assert not (tmp_path / "store").exists() and not (tmp_path / "prefect").exists()
     assert not (tmp_path / "unpickled").exists()
+
+
+def test_a_tokenizer_folder_of_special_tokens_alone_is_refused_naming_tokenize_tokenizer(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """tokenize.tokenizer a folder of its own (a random model from model.from_config): its vocabulary is checked
+    the same way, and the line names the setting."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "vocab.txt").write_text(VOCAB)
+    (tmp_path / "p.yaml").write_text(f"pipelines:\n  p:\n    extends: tiny-imdb\n    tokenize: {{tokenizer: {folder}}}\n")
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    assert main_plain(["p", "--config", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: tokenize.tokenizer {folder}: the vocabulary of vocab.txt is only its special tokens "
+                   f"([CLS], [MASK], [PAD], [SEP], [UNK]), so every word would be read as unknown; copy the model's "
+                   f"tokenizer files (tokenizer.json, or vocab.txt / vocab.json and merges.txt, or a sentencepiece "
+                   f"*.model) into the folder, or set tokenize.tokenizer to a folder, hub id or pkg: path that has "
+                   f"them"], err
+    assert not (tmp_path / "store").exists()
