@@ -24,6 +24,7 @@ from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
 from stages.common.tables import LabelColumn, columns, header, label_column, read_table
 from stages.common.tasks import data_of
+from stages.engine.config import inherited_from
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
 from stages.engine.schema import DataConfig, PipelineConfig
@@ -288,24 +289,17 @@ def row_place(path: Path | None, split: str, row: int) -> str:
 
 def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
     """Each row's conversation (data.format messages or alpaca), checked (DataError naming file, row, field)."""
+    where = str(path or split + " split")
+    check_columns(where, [str(c) for c in df.columns], named_columns(d, None))
     if d.format == "alpaca":
-        missing = [c for c in ("instruction", "output") if c not in df.columns]
-        if missing:
-            raise MissingInputError(f"{path or split + ' split'}: no column '{missing[0]}' (columns: "
-                                    f"{', '.join(map(str, df.columns))}); data.format alpaca reads instruction, "
-                                    f"input (optional) and output")
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
         return [chats.alpaca(a, b, c, row_place(path, split, i))
                 for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
     if d.format == "conversation":
         turns = d.conversation or {}
-        check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), str(path or split + " split"))
+        check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), where)
         return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i), d.label_column)
                 for i, row in enumerate(df.to_dict("records"))]
-    if d.messages_column not in df.columns:
-        raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
-                                f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "
-                                f"holding the conversations")
     return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
             for i, v in enumerate(df[d.messages_column])]
 
@@ -316,12 +310,50 @@ def fields_of_columns(columns_: list[str], d: Any) -> list[str]:
     return columns_ + ["label"] if d.label_column in columns_ and "label" not in columns_ else columns_
 
 
-def check_fields(turns: Mapping[Any, str], columns_: list[str], where: str) -> None:
+def check_fields(turns: Mapping[Any, str], columns_: list[str], where: str, origin: str = "") -> None:
     """Every {field} of data.conversation is a column of the data (ConfigError naming it and the columns)."""
     unknown = sorted(chats.fields_of(turns) - set(columns_))
     if unknown:
         raise ConfigError(f"data.conversation: {{{unknown[0]}}} is not a column of {where} "
-                          f"(columns: {', '.join(columns_)}); write one of those in braces")
+                          f"(columns: {', '.join(columns_)}); write one of those in braces{origin}")
+
+
+ALPACA_FIX = "data.format alpaca reads instruction, input (optional) and output"
+
+
+def named_columns(d: DataConfig, task: str | None) -> list[tuple[str, str, str]]:
+    """(setting, column, fix) for every column the data stage reads of a source for data.format (columns: for
+    `task`; None: the conversation formats only). A column setting the task needs but left null: ConfigError."""
+    if d.format == "alpaca":
+        return [("data.format", c, ALPACA_FIX) for c in ("instruction", "output")]
+    if d.format == "messages":
+        return [("data.messages_column", d.messages_column, "set data.messages_column to the column holding the "
+                 "conversations")]
+    if d.format == "conversation" or task is None:
+        return []  # conversation: the columns data.conversation names (check_fields)
+    facts = data_of(task)
+    need = facts.required_columns(d, facts.target_column(d, DEFAULT_TARGET.get(d.source)))
+    if d.target_column:  # named: read as the target when the file has it, so a misspelt one must not go unnoticed
+        need.setdefault("data.target_column", d.target_column)
+    for key, col in need.items():
+        if col is None:
+            raise ConfigError(f"{key} is not set but task {task} needs it; set it in pipeline.yaml")
+    return [(key, col, f"set {key} to one of them") for key, col in need.items() if col is not None]
+
+
+def check_columns(where: str, present: list[str], needed: list[tuple[str, str, str]], cfg: Any = None) -> None:
+    """Every needed column is one of `present` (a file's header): else one line naming the file, the column, the
+    columns there are and the fix, and where the setting came from when a pipeline it extends set it."""
+    for key, col, fix in needed:
+        if col not in present:
+            raise MissingInputError(f"{where}: no column '{col}' (columns: {', '.join(present)}); {fix}"
+                                    f"{came_from(cfg, key) if cfg is not None else ''}")
+
+
+def came_from(cfg: PipelineConfig, key: str) -> str:
+    """' (KEY comes from extends: NAME)' when an extended pipeline set `key`, else ''."""
+    parent = inherited_from(cfg, key) if key.startswith("data.") and key != "data.format" else None
+    return f" ({key} comes from extends: {parent})" if parent else ""
 
 
 def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: DataConfig, split: str,
@@ -354,13 +386,8 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
             out[split] = pd.DataFrame({"id": ids.to_numpy(), "text": [a for a, _ in last],
                                        "target": [b for _, b in last], "messages": turns})
             continue
+        check_columns(f"{split} split", [str(c) for c in df.columns], named_columns(d, cfg.model.task))
         need = task.required_columns(d, target_col)
-        for key, col in need.items():
-            if col is None:
-                raise DataError(f"{key} is not set but task {cfg.model.task} needs it; set it in pipeline.yaml")
-            if col not in df.columns:
-                raise MissingInputError(f"{split} split has no column '{col}' (columns: {', '.join(map(str, df.columns))}); "
-                                        f"set {key} to one of them")
         refuse_structured(df, need, d, split)
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
         cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
@@ -372,8 +399,13 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     return out
 
 
+def carved_rows(size: int | float, rows: int) -> int:
+    """The rows data.split.test / validation carve from a train split of `rows` (a fraction below 1, or a count)."""
+    return int(round(size * rows)) if isinstance(size, float) and size < 1 else int(size)
+
+
 def _carve(df: pd.DataFrame, size: int | float, seed: int, what: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    n = int(round(size * len(df))) if isinstance(size, float) and size < 1 else int(size)
+    n = carved_rows(size, len(df))
     if n >= len(df):
         raise DataError(f"data.split.{what} asks for {n} rows but train has only {len(df)}; lower it or give "
                         f"a fraction below 1")
@@ -417,39 +449,86 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
 
 
 def check_rows(cfg: PipelineConfig) -> None:
-    """Before any stage runs: conversations need a task that renders them, and a local file's rows are
-    what data.format says (each conversation well formed; no list or dict where text is expected), refused
-    with one line naming the file, its line and the field."""
+    """Before any stage runs: conversations need a task that renders them; every column data.* names is in the
+    source's header (a local file's or the mirror's, read to the header); a local file's rows are what
+    data.format says (each conversation well formed; no list or dict where text is expected), and there are
+    enough of them for data.split. Each refused with one line naming the file (its line and field) and the fix."""
     d = cfg.data
     if d.format != "columns" and not data_of(cfg.model.task).chats:
         raise ConfigError(f"data.format {d.format}: conversations are rendered with a chat template for "
                           f"model.task causal_lm, not {cfg.model.task}; set model.task: causal_lm or "
                           f"data.format: columns")
-    if not (d.source == "local" or d.path):
-        if d.format == "conversation":  # the mirror's files' headers, or the columns the hub's dataset has
-            files = mirror_files(d)
-            for f in files:
-                check_fields(d.conversation or {}, list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)),
-                             str(f))
-            if not files and d.hub_id is None:
-                check_fields(d.conversation or {}, list(HUB_COLUMNS[d.source]), f"the hub's {d.source}")
+    needed = named_columns(d, cfg.model.task)
+    if not (d.source == "local" or d.path):  # the mirror's files' headers, or the columns the hub's dataset has
+        files = mirror_files(d)
+        sources = [(str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns))) for f in files]
+        if not files and d.hub_id is None:
+            sources = [(f"the hub's {d.source}", list(HUB_COLUMNS[d.source]))]
+        for where, present in sources:
+            _check_header(cfg, where, present, needed)
         return
-    if d.format == "conversation" and _local_label_files(d) is None:  # aclImdb: what aclimdb.read_* give
-        check_fields(d.conversation or {}, ["id", "text", "label"], str(local_path(d.path)))
-    for f in _local_label_files(d) or []:
-        _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
+    path, tables = local_path(d.path), _local_label_files(d)
+    if tables is None:  # aclImdb: what aclimdb.read_* give
+        _check_header(cfg, str(path), ["id", "text", "label"], needed)
+        return
+    rows: dict[str, int] = {}
+    for f in tables:
+        _check_header(cfg, str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)), needed)
+        n = _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
+        split_name = "train" if f == path else _split_of(f.name) or "train"
+        rows[split_name] = rows.get(split_name, 0) + n
+    check_split_rows(cfg, rows, path.name if path.is_file() else f"{path}'s files")
+
+
+def _check_header(cfg: PipelineConfig, where: str, present: list[str], needed: list[tuple[str, str, str]]) -> None:
+    d = cfg.data
+    check_columns(where, present, needed, cfg)
+    if d.format == "conversation":
+        check_fields(d.conversation or {}, fields_of_columns(present, d), where, came_from(cfg, "data.conversation"))
+
+
+def check_split_rows(cfg: PipelineConfig, rows: dict[str, int], where: str) -> None:
+    """data.split against the rows a local source has ({split: rows}, from its file names): a split it cannot
+    cut is refused with counts that fit, and where data.split came from when a pipeline it extends set it."""
+    sp = cfg.data.split
+    total = sum(rows.values())
+    if sp.mode == "shuffle_concat":
+        assert sp.train is not None and sp.validation is not None and sp.test is not None  # SplitConfig checks
+        need = sp.train + int(sp.validation) + int(sp.test)
+        if need > total:
+            held = max(1, total // 10)  # 80 / 10 / 10
+            raise DataError(f"data.split asks for {need} rows (train {sp.train} + validation {int(sp.validation)} "
+                            f"+ test {int(sp.test)}) but {where} has {total}{came_from(cfg, 'data.split')}; set "
+                            f"data.split.train={max(total - 2 * held, 0)}, data.split.validation={held}, "
+                            f"data.split.test={held}, or data.split={{mode: source, validation: 0.1, test: 0.1}}")
+        return
+    if "train" not in rows:
+        raise DataError(f"source has no train split (has {', '.join(rows)}); name files train.* or use "
+                        f"data.split.mode=shuffle_concat")
+    train = rows["train"]
+    for what, size in (("test", sp.test), ("validation", sp.validation)):
+        if what in rows or not size:
+            continue
+        n = carved_rows(size, train)
+        if n >= train:
+            raise DataError(f"data.split.{what} asks for {n} rows but train has only {train} ({where}"
+                            f"{', after data.split.test' if what == 'validation' and 'test' not in rows else ''})"
+                            f"{came_from(cfg, f'data.split.{what}')}; lower it or give a fraction below 1, e.g. "
+                            f"data.split.{what}=0.1")
+        train -= n
 
 
 @functools.lru_cache(maxsize=32)
-def _check_file(path: str, size: int, mtime_ns: int, data_json: str, task: str) -> None:
-    """check_rows for one file version and data section (plans run often; a file is read once)."""
+def _check_file(path: str, size: int, mtime_ns: int, data_json: str, task: str) -> int:
+    """check_rows for one file version and data section (plans run often; a file is read once): its rows."""
     f, d = Path(path), DataConfig.model_validate_json(data_json)
     df = read_table(f)
     if d.format != "columns":
         conversations(df, d, "train", f)
-        return
+        return len(df)
     facts = data_of(task)
     refuse_structured(df, facts.required_columns(d, facts.target_column(d, None)), d, "train", f)
+    return len(df)
 
 
 def makes_validation(cfg: PipelineConfig) -> bool | None:

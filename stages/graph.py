@@ -11,6 +11,7 @@ from stages import data
 from stages.common import chat, distributed, gguf_export, onnx_export
 from stages.common.hf import (
     check_model_folder,
+    check_tokenizer_folder,
     model_deps,
     model_input_files,
     tokenizer_deps,
@@ -25,6 +26,13 @@ from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph
 from stages.engine.schema import CARD_SECTIONS, PipelineConfig
 from stages.engine.stage import Lazy, Stage
+
+
+def check_model(cfg: PipelineConfig) -> None:
+    """A local model folder: config.json parses, its weights are safetensors whose headers read, its own Python is
+    trusted; then a local tokenizer folder (the model's, or tokenize.tokenizer) holds a vocabulary (plan time)."""
+    check_model_folder(cfg)
+    check_tokenizer_folder(cfg)
 
 
 def check_formats(cfg: PipelineConfig) -> None:
@@ -69,7 +77,7 @@ GRAPH = Graph([
         name="model",
         body=Lazy("stages.model", "run"),
         precheck=Lazy("stages.common.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
-        check=check_model_folder,  # a folder's weights are safetensors; its own Python refused unless trusted
+        check=check_model,  # a folder's config.json, its weights (safetensors only), its code; a tokenizer's vocabulary
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         resolve=resolve_compute_dtype,  # quantized, auto -> the compute dtype this machine loads in, before the keys
         inputs=model_input_files,

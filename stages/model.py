@@ -114,11 +114,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
             model.save_pretrained(base)
             del model
             with fp32_modules_quantized(cls, q.quantize_fp32_modules):
-                model = cls.from_pretrained(base, dtype=plan.dtype, quantization_config=qconfig, **common)
-    else:
+                model = cls.from_pretrained(base, dtype=plan.dtype, quantization_config=qconfig, use_safetensors=True,
+                                            **common)
+    else:  # safetensors only: never a pickle's torch.load (a local folder's files were checked at plan time)
         with fp32_modules_quantized(cls, q.quantize_fp32_modules):
             model = cls.from_pretrained(source, revision=m.revision if local is None else None,
-                                        dtype=plan.dtype,
+                                        dtype=plan.dtype, use_safetensors=True,
                                         quantization_config=qconfig, **kwargs, **common)
     load_s = time.perf_counter() - t0
 

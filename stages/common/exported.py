@@ -90,7 +90,7 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
 
         model = getattr(peft, name.replace("AutoModel", "AutoPeftModel")).from_pretrained(str(folder))
     else:
-        model = getattr(transformers, name).from_pretrained(str(folder))
+        model = getattr(transformers, name).from_pretrained(str(folder), use_safetensors=True)
     model.eval()
     return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], max_length,
                     generation, settings.get("train", {}).get("mixed_precision", "auto"), runtime)

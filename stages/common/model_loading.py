@@ -182,7 +182,7 @@ def load_model(model_dir: Path) -> Any:
     cls = getattr(transformers, info["model_class"], None) or auto_class(info["task"])
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = {"dtype": DTYPES[info["dtype"]] if on_gpu else torch.float32,
-                              "trust_remote_code": info.get("trust_remote_code", False)}
+                              "trust_remote_code": info.get("trust_remote_code", False), "use_safetensors": True}
     if on_gpu and info["quantization"] != "none":
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     with fp32_modules_quantized(cls, info.get("quantize_fp32_modules", False)):

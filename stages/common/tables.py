@@ -126,17 +126,18 @@ def columns(f: Path) -> list[str]:
 @functools.lru_cache(maxsize=32)
 def header(path: str, size: int, mtime_ns: int) -> tuple[str, ...]:
     """A file's column names, reading as little of it as its format allows (a CSV's header line, a JSONL
-    file's first row, a Parquet schema). Cached per file version."""
+    file's first row, a Parquet schema). Cached per file version; an unreadable file is refused (DataError)."""
+    import csv
     import gzip
     import json
-
-    import pandas as pd
 
     p = Path(path)
     name = p.name.lower()
     try:
-        if name.endswith((".csv", ".csv.gz")):
-            return tuple(str(c) for c in pd.read_csv(p, nrows=0).columns)
+        if name.endswith((".csv", ".csv.gz")):  # the csv module, not pandas: planning imports no pandas
+            with gzip.open(p, "rt", encoding="utf-8-sig", newline="") if name.endswith(".gz") else \
+                    p.open(encoding="utf-8-sig", newline="") as fh:
+                return tuple(next(csv.reader(fh)))
         if name.endswith((".jsonl", ".jsonl.gz")):
             with gzip.open(p, "rt") if name.endswith(".gz") else p.open() as fh:
                 first = next((line for line in fh if line.strip()), "{}")

@@ -395,6 +395,28 @@ def load_pipeline(name: str, overrides: list[str] | dict | None = None,
         raise ConfigError(_describe(e, name, chain, doc["defaults_layers"], over)) from None
 
 
+def inherited_from(cfg: PipelineConfig, dotted: str) -> str | None:
+    """The pipeline a loaded pipeline's field came from by `extends` (`smol-chat` for a `data.split` that a
+    pipeline extending smol-chat left as it was), None when the pipeline itself, `--set` or the defaults set
+    it, or the config was not loaded by name from its file. For errors that name where a setting came from."""
+    try:
+        doc = load_doc(cfg.config_file or DEFAULT_PIPELINE_FILE)
+        chain = _chain(doc, cfg.name) if cfg.name in doc["pipelines"] else []
+    except (ConfigError, OSError):
+        return None
+    if not chain:
+        return None
+    over = overrides_to_dict(cfg.overrides)
+    loc = tuple(dotted.split("."))
+    for prefix in (loc[:i] for i in range(len(loc), 0, -1)):
+        if _has(over, prefix) or _has(chain[0][1], prefix):
+            return None
+        for where, body in chain[1:]:
+            if _has(body, prefix):
+                return where.rsplit(" ", 1)[-1].removeprefix("pipelines.")
+    return None
+
+
 def _has(d: Any, loc: tuple) -> bool:
     for part in loc:
         if not isinstance(d, dict) or part not in d:

@@ -180,11 +180,11 @@ def test_acl_imdb_folder_and_tarball_keep_article_order(tmp_path, store_dir):
 
 
 @pytest.mark.parametrize("sets,error,message", [
-    (["data.text_column=body"], MissingInputError, "split has no column 'body' (columns: review, sentiment); set data.text_column"),
+    (["data.text_column=body"], MissingInputError, "reviews.csv: no column 'body' (columns: review, sentiment); set data.text_column"),
     (["model.num_labels=2", "data.label_column=review"], ConfigError,
      "model.num_labels is 2 but data.label_column 'review' holds 30 names (review number 0 , re"),
     (["data.split={mode: source, seed: 3, test: 2, validation: 28}"], DataError,
-     "data.split.validation asks for 28 rows but train has only 28; lower it"),
+     "data.split.validation asks for 28 rows but train has only 28 (reviews.csv, after data.split.test); lower it"),
     (["data.path=/nonexistent/reviews.csv"], MissingInputError, "data.path /nonexistent/reviews.csv: no such file"),
 ])
 def test_bad_local_data_is_a_clear_error_and_writes_nothing(tmp_path, store_dir, sets, error, message):
