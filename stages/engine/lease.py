@@ -35,6 +35,7 @@ from stages.engine.errors import LeaseLostError
 
 log = logging.getLogger("finetune.store")
 DEFAULT_TTL_S = 120.0
+TAKEN = ".taken"  # beside a lease: who last took it over, and from whom
 
 
 def lease_ttl_s() -> float:
@@ -124,13 +125,16 @@ class Lease:
             except OSError:
                 return False
             self._etag = self._etag or self._current_etag()
-            self._renewed_at = time.monotonic()
-            return True
-        try:
-            self.fs.rm_file(self.path)
-            self._put_new()
-        except (FileNotFoundError, FileExistsError):
-            return False
+        else:
+            try:
+                self.fs.rm_file(self.path)
+                self._put_new()
+            except (FileNotFoundError, FileExistsError):
+                return False
+        self._renewed_at = time.monotonic()
+        with contextlib.suppress(OSError):  # for the holder it was taken from, should it wake: who took it
+            self.fs.pipe_file(self.path + TAKEN, json.dumps({"from": held.get("owner"), "host": socket.gethostname(),
+                                                             "pid": os.getpid(), "at": time.time()}).encode())
         return True
 
     def _renew(self) -> None:
@@ -207,12 +211,15 @@ class Lease:
         return self.fs.info(self.path).get("ETag")
 
     def _holder(self) -> str:
-        """Who holds the lease now, for people."""
-        try:
-            held = json.loads(self.fs.cat_file(self.path))
-        except (OSError, ValueError):
-            return "another run (which has since released it)"
-        return f"another run (host {held.get('host')} pid {held.get('pid')})"
+        """Who took the lease from this holder (holds it now, or held it since), for people."""
+        for path in (self.path + TAKEN, self.path):
+            try:
+                held = json.loads(self.fs.cat_file(path))
+            except (OSError, ValueError):
+                continue
+            if held.get("from", self.owner) == self.owner and held.get("owner") != self.owner:
+                return f"another run (host {held.get('host')} pid {held.get('pid')})"
+        return "another run"
 
     def _still_mine(self) -> bool:
         try:

@@ -11,9 +11,14 @@ cache. Same layout and manifest as the local store; what changes is how the guar
 - Fencing: a holder that stalled past the TTL (a stopped process) finds its lease taken over and stops at
   once (`Lease.stopping`), and every write under a lease (an upload, a checkpoint, a removal, a ref) is
   preceded by `Lease.fence()`, so a late run writes nothing. A commit also never overwrites: each file and
-  then the manifest is created only if absent (`If-None-Match: *`); what is there already is another run's,
-  and only the lease's holder, its fence passed, replaces it. So a run that stalled inside its upload, past
-  the fence, cannot replace what the new holder committed either: its creates are refused, and it stops.
+  then the manifest is created only if absent (`If-None-Match: *`); an object already there is another
+  run's, and only the lease's holder, its fence passed, replaces it (the manifest first: a miss, never two
+  runs' files behind one manifest). So a run that stalled inside its own upload cannot replace what the new
+  holder committed either: its next create is refused, its fence fails, and it stops. S3 has no
+  transaction over two objects, so one gap is left: a stall past the TTL exactly between a passing fence
+  and the request after it. Then that one request still lands: a removal (the holder's artifact becomes
+  a miss, recomputed by the next run) or the late run's manifest, which stands over the holder's files
+  until the holder's own manifest replaces it.
 - Lazy fetch: a hit is decided from the manifest and one listing of the artifact's files (their sizes);
   nothing of its payload is downloaded. Its files are downloaded into the local cache ($FINETUNE_CACHE,
   default ~/.cache/finetune/<hash of the URL>), verified by size, only when a stage that computes reads
@@ -329,25 +334,33 @@ class RemoteStore(Store):
         try:
             self._fence(key)
             if self.fs.exists(remote):  # a forced recompute, an invalid artifact or a dead run's half upload
+                self._uncommit(remote)
                 with contextlib.suppress(FileNotFoundError):
                     self.fs.rm(remote, recursive=True)
-            for f in manifest["files"]:
-                self._create(key, final / f["path"], f"{remote}/{f['path']}")
-            self._fence(key)
-            self._create(key, final / MANIFEST, f"{remote}/{MANIFEST}")
+            for path in [*(f["path"] for f in manifest["files"]), MANIFEST]:
+                if path == MANIFEST:
+                    self._fence(key)
+                self._create(key, final, remote, path)
         except BaseException:  # not the shared artifact: no local copy of it either (read_file reads that first)
             shutil.rmtree(final, ignore_errors=True)
             raise
 
-    def _create(self, key: str, local: Path, url: str) -> None:
-        """Upload a file where nothing is (If-None-Match: *). An object there was written since the upload
-        began by a run that stalled past the TTL inside its own: replaced once the fence says this run holds
-        the key, else this run is the late one and stops (LeaseLostError)."""
+    def _create(self, key: str, final: Path, remote: str, path: str) -> None:
+        """Upload a file where nothing is (If-None-Match: *). An object there was written since this upload
+        began, by a run that stalled past the TTL inside its own: this run stops if the fence says it is the
+        late one; else it replaces the object, the manifest first (an artifact is then a miss until this
+        run's manifest lands, never a mix of two runs' files behind one manifest)."""
         try:
-            self.fs.put_file(str(local), url, mode="create")
+            self.fs.put_file(str(final / path), f"{remote}/{path}", mode="create")
         except FileExistsError:
             self._fence(key)
-            self.fs.put_file(str(local), url)
+            self._uncommit(remote)
+            self.fs.put_file(str(final / path), f"{remote}/{path}")
+
+    def _uncommit(self, remote: str) -> None:
+        """The artifact at `remote` no longer a hit: its manifest removed."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{remote}/{MANIFEST}")
 
     def _fence(self, key: str) -> None:
         """Before a write under key's lease: LeaseLostError (nothing written) when another run took it over."""
