@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,27 @@ def url(s3_endpoint) -> str:
     return f"s3://finetune-test/fence-{uuid.uuid4().hex[:8]}"
 
 
-def test_a_run_stopped_past_its_lease_stops_on_one_line_and_the_new_holders_artifact_is_untouched(url, tmp_path):
+@pytest.fixture
+def threaded_url(monkeypatch) -> Iterator[str]:
+    """A store on a moto server of its own that serves requests in threads: run A may be stopped in the middle of
+    a request (its heartbeat's), and the session's single-threaded server would then wait on it, serving no B."""
+    import s3fs
+    from s3server import moto_server, s3_env
+
+    with moto_server(threaded=True) as endpoint:
+        for k, v in s3_env(endpoint).items():
+            monkeypatch.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("finetune-test")
+        try:
+            yield f"s3://finetune-test/fence-{uuid.uuid4().hex[:8]}"
+        finally:
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_run_stopped_past_its_lease_stops_on_one_line_and_the_new_holders_artifact_is_untouched(threaded_url,
+                                                                                                   tmp_path):
+    url = threaded_url
     a = machine(url, tmp_path / "a", 60)  # 12 s of steps: it is stopped after its second
     wait_for(a, "step 2")
     os.kill(a.pid, signal.SIGSTOP)
