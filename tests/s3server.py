@@ -4,7 +4,9 @@ stopped by PID, with boto's standard settings (AWS_ENDPOINT_URL, dummy credentia
 It serves one request at a time. `python -m moto.server` answers each request in a thread, and its
 conditional put checks whether the key exists and then writes it, two steps without a lock
 (moto/s3/responses.py, put_object), so two concurrent `If-None-Match: *` creates could both pass. S3
-itself decides conditional writes on a key one at a time; a single-threaded moto does the same."""
+itself decides conditional writes on a key one at a time; a single-threaded moto does the same. A test that
+stops a client (SIGSTOP), perhaps in the middle of a request, asks for a threaded one (`threaded=True`): a
+single-threaded server would wait on that client's request and serve no other."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ SERVE = """
 import sys
 from werkzeug.serving import run_simple
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app), threaded=False,
-           request_handler=MotoRequestHandler)
+run_simple("127.0.0.1", int(sys.argv[1]), DomainDispatcherApplication(create_backend_app),
+           threaded=sys.argv[2] == "threaded", request_handler=MotoRequestHandler)
 """
 
 
@@ -39,10 +41,10 @@ def s3_env(endpoint: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
+def moto_server(threaded: bool = False) -> Iterator[str]:
     """Yield the endpoint URL of a fresh moto server; the server is killed (by its PID) on exit."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(port), "threaded" if threaded else "one"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:

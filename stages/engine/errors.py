@@ -32,6 +32,11 @@ class CorruptArtifactError(FinetuneError):
     """A committed artifact's files no longer match its manifest (a flipped byte, a truncated file)."""
 
 
+class LeaseLostError(FinetuneError):
+    """Another run took over the lease on the key this run computes (this one stalled past the lease's TTL):
+    this run stops and writes nothing more to the store."""
+
+
 class NonFiniteOutputError(FinetuneError):
     """A model produced NaN or infinite outputs (corrupt or diverged weights)."""
 

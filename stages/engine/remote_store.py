@@ -8,6 +8,17 @@ cache. Same layout and manifest as the local store; what changes is how the guar
 - Lock: a local flock (processes on this machine) plus a lease object `<root>/.locks/<key>.lock`
   (see `stages.engine.lease`): created only if absent (S3's `If-None-Match: *`), renewed by a heartbeat
   while its holder lives, taken over once not renewed for its TTL (a dead holder).
+- Fencing: a holder that stalled past the TTL (a stopped process) finds its lease taken over and stops at
+  once (`Lease.stopping`), and every write under a lease (an upload, a checkpoint, a removal, a ref) is
+  preceded by `Lease.fence()`, so a late run writes nothing. A commit also never overwrites: each file and
+  then the manifest is created only if absent (`If-None-Match: *`); an object already there is another
+  run's, and only the lease's holder, its fence passed, replaces it (the manifest first: a miss, never two
+  runs' files behind one manifest). So a run that stalled inside its own upload cannot replace what the new
+  holder committed either: its next create is refused, its fence fails, and it stops. S3 has no
+  transaction over two objects, so one gap is left: a stall past the TTL exactly between a passing fence
+  and the request after it. Then that one request still lands: a removal (the holder's artifact becomes
+  a miss, recomputed by the next run) or the late run's manifest, which stands over the holder's files
+  until the holder's own manifest replaces it.
 - Lazy fetch: a hit is decided from the manifest and one listing of the artifact's files (their sizes);
   nothing of its payload is downloaded. Its files are downloaded into the local cache ($FINETUNE_CACHE,
   default ~/.cache/finetune/<hash of the URL>), verified by size, only when a stage that computes reads
@@ -127,6 +138,7 @@ class RemoteStore(Store):
         self.fs: Any = CountingFS(fs, self._transfers)
         super().__init__((cache or cache_dir()) / sha256_text(self.url)[:16])
         self._cache = Store(self.root)
+        self._leases: dict[str, Lease] = {}  # key -> the lease this process holds on it (try_lock)
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url})"
@@ -231,6 +243,7 @@ class RemoteStore(Store):
         with self.try_lock(key, what=f"gc {stage}") as held:
             if not held:
                 return False
+            self._fence(key)
             self.fs.rm(self._r(stage, key), recursive=True)
             shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
             return True
@@ -239,6 +252,7 @@ class RemoteStore(Store):
         with self.try_lock(key, what=f"quarantine {stage}") as held:
             if not held:
                 return None
+            self._fence(key)
             target = f".quarantine/{stage}-{key}-{uuid.uuid4().hex[:8]}"
             self.fs.mv(self._r(stage, key), self._r(*target.split("/")), recursive=True)
             shutil.rmtree(self.artifact_dir(stage, key), ignore_errors=True)
@@ -274,6 +288,7 @@ class RemoteStore(Store):
         with self.try_lock(key, what=f"gc work {stage}") as held:
             if not held:
                 return False
+            self._fence(key)
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self._work_url(stage, key), recursive=True)
             shutil.rmtree(self.work_dir(stage, key), ignore_errors=True)
@@ -334,14 +349,45 @@ class RemoteStore(Store):
                     f"it (finetune inspect verify lists every damaged artifact)")
 
     def publish(self, stage: str, key: str) -> None:
-        """A freshly computed local artifact to the shared store, manifest last (the commit marker)."""
+        """A freshly computed local artifact to the shared store, manifest last (the commit marker), fenced
+        (module docstring): each file created only where nothing is."""
         final, remote = self.artifact_dir(stage, key), self._r(stage, key)
-        if self.fs.exists(remote):  # a forced recompute or a half-uploaded artifact: invalidate it first
-            self.fs.rm(remote, recursive=True)
         manifest = json.loads((final / MANIFEST).read_text())
-        for f in manifest["files"]:
-            self.fs.put_file(str(final / f["path"]), f"{remote}/{f['path']}")
-        self.fs.put_file(str(final / MANIFEST), f"{remote}/{MANIFEST}")
+        try:
+            self._fence(key)
+            if self.fs.exists(remote):  # a forced recompute, an invalid artifact or a dead run's half upload
+                self._uncommit(remote)
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(remote, recursive=True)
+            for path in [*(f["path"] for f in manifest["files"]), MANIFEST]:
+                if path == MANIFEST:
+                    self._fence(key)
+                self._create(key, final, remote, path)
+        except BaseException:  # not the shared artifact: no local copy of it either (read_file reads that first)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+
+    def _create(self, key: str, final: Path, remote: str, path: str) -> None:
+        """Upload a file where nothing is (If-None-Match: *). An object there was written since this upload
+        began, by a run that stalled past the TTL inside its own: this run stops if the fence says it is the
+        late one; else it replaces the object, the manifest first (an artifact is then a miss until this
+        run's manifest lands, never a mix of two runs' files behind one manifest)."""
+        try:
+            self.fs.put_file(str(final / path), f"{remote}/{path}", mode="create")
+        except FileExistsError:
+            self._fence(key)
+            self._uncommit(remote)
+            self.fs.put_file(str(final / path), f"{remote}/{path}")
+
+    def _uncommit(self, remote: str) -> None:
+        """The artifact at `remote` no longer a hit: its manifest removed."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{remote}/{MANIFEST}")
+
+    def _fence(self, key: str) -> None:
+        """Before a write under key's lease: LeaseLostError (nothing written) when another run took it over."""
+        if (lease := self._leases.get(key)) is not None:
+            lease.fence()
 
     # ------------------------------------------------------------ work (checkpoints) on the shared store
     # `.work/<stage>-<key>/` mirrors a computing key's work_dir with only its newest saved folder, and
@@ -355,15 +401,18 @@ class RemoteStore(Store):
         """Upload `folder` (its file written last, last), the work_dir's files outside its parent folder
         (logs...), then latest.json; the folder replaces its siblings on the shared store."""
         work, remote = self.work_dir(stage, key), self._work_url(stage, key)
+        self._fence(key)
         files = [p for p in sorted(work.rglob("*")) if p.is_file() and not p.name.startswith(".tmp-")]
         inside = sorted((p for p in files if folder in p.parents), key=lambda p: p.stat().st_mtime_ns)
         outside = [p for p in files if folder.parent not in p.parents]
         for p in [*outside, *inside]:
             self.fs.put_file(str(p), f"{remote}/{p.relative_to(work)}")
+        self._fence(key)
         self.fs.pipe_file(f"{remote}/latest.json", json.dumps(
             {"folder": str(folder.relative_to(work)), "time": now_iso(), "host": socket.gethostname()}).encode())
         parent = "/".join([remote, *folder.parent.relative_to(work).parts])
         self.fs.invalidate_cache(parent)
+        self._fence(key)
         for other in self.fs.ls(parent, detail=True):
             if other["type"] == "directory" and other["name"].rstrip("/").rsplit("/", 1)[-1] != folder.name:
                 self.fs.rm(other["name"], recursive=True)
@@ -388,6 +437,7 @@ class RemoteStore(Store):
         work.mkdir(parents=True, exist_ok=True)
 
     def drop_work(self, stage: str, key: str) -> None:
+        self._fence(key)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._work_url(stage, key), recursive=True)
 
@@ -417,6 +467,7 @@ class RemoteStore(Store):
         with self.lock(f"refs-{pipeline}"):
             refs = self.refs(pipeline)
             refs[stage] = key
+            self._fence(f"refs-{pipeline}")
             self.fs.pipe_file(self._r("refs", f"{pipeline}.json"), json.dumps(refs, indent=2).encode())
 
     def results(self) -> list[tuple[str, Any]]:
@@ -504,7 +555,7 @@ class RemoteStore(Store):
             if not held:
                 yield False
                 return
-            lease = Lease(self.fs, self._r(".locks", f"{key}.lock"))
+            lease = Lease(self.fs, self._r(".locks", f"{key}.lock"), what=what or "stage")
             announced = False
             while not lease.acquire():
                 if not wait:
@@ -514,9 +565,12 @@ class RemoteStore(Store):
                     log.info("%s: another machine holds the lease on %s; waiting", what or "stage", key[:12])
                     announced = True
                 time.sleep(POLL_S)
+            self._leases[key] = lease
             try:
-                yield True
+                with lease.stopping():  # taken over (this process stalled): stopped here, at once
+                    yield True
             finally:
+                self._leases.pop(key, None)
                 lease.release()
 
 

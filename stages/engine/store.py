@@ -561,9 +561,9 @@ class Store:
                 raise
             finally:
                 _work_saved.reset(token)
-            shutil.rmtree(work, ignore_errors=True)
-            self.drop_work(sk.stage, sk.key)
             self.publish(sk.stage, sk.key)
+            shutil.rmtree(work, ignore_errors=True)  # committed: the checkpoints are no longer needed anywhere
+            self.drop_work(sk.stage, sk.key)
             self.log_event(pipeline=pipeline, stage=sk.stage, key=sk.key, event="computed", reason=reason,
                            duration_s=manifest["duration_s"], **({"replaces": replaces} if replaces else {}))
             return Outcome(sk.stage, sk.key, final, True, reason, manifest)
