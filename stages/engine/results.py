@@ -78,7 +78,7 @@ class ResultRecorder:
         self.known: dict[str, str] | None = None  # the stored record's keys, read at the first outcome
 
     def stage(self, o: Outcome) -> None:
-        if o.reason == JOINED:
+        if o.reason == JOINED or self.store.read_only:  # a read-only store serves a cached run, records nothing
             return
         if self.known is None:
             keys = (self.store.result(self.id) or {}).get("keys")
