@@ -158,7 +158,7 @@ def test_older_than_forgets_the_results_last_made_before_that_age(ran, store, ca
     assert {(g["stage"], g["key"]) for g in items} == own
     assert {(g["group"], g["note"]) for g in items} == {("sweep lrs", "older than --older-than")}
     rc, out, _ = inspect(capsys, "gc", "--older-than", "30d", "--min-age", "0")
-    assert "python -m flows.inspect gc --force --older-than 30d --min-age 0" in out.splitlines()[-1]
+    assert "finetune inspect gc --force --older-than 30d --min-age 0" in out.splitlines()[-1]
 
     rc, out, _ = inspect(capsys, "gc", "--force", "--older-than", "4w", "--min-age", "0")
     assert rc == 0 and f"removed {len(own)} of {len(own)}" in out
