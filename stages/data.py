@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import LabelColumn, columns, header, label_column, read_table
+from stages.common.tables import SUFFIXES, LabelColumn, columns, header, label_column, places, read_table
 from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
@@ -36,7 +36,7 @@ HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
 HUB_COLUMNS = {"imdb": ("text", "label"), "billsum": ("text", "summary", "title")}  # what `_read_hub` reads
 DEFAULT_TARGET = {"billsum": "summary"}
-TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
+TABULAR = SUFFIXES
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
 
 
@@ -55,13 +55,13 @@ def mirror_root(data_cfg: DataConfig) -> Path | None:
 
 def local_path(raw: str | None) -> Path:
     if not raw:
-        raise ConfigError("data.path: not set; give the local CSV/JSONL/Parquet file or folder to read")
+        raise ConfigError("data.path: not set; give the local CSV/TSV/JSONL/JSON/Parquet file or folder to read")
     for base in (Path.cwd(), PROJECT_ROOT):
         p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
         if p.exists():
             return p
     raise MissingInputError(f"data.path {raw}: {why_missing(Path(raw).expanduser())}; give an existing "
-                            f"CSV/JSONL/Parquet file, a folder of split files, or an aclImdb folder/tarball")
+                            f"CSV/TSV/JSONL/JSON/Parquet file, a folder of split files, or an aclImdb folder/tarball")
 
 
 def mirror_files(data_cfg: DataConfig) -> list[Path]:
@@ -118,7 +118,7 @@ def _read_local(path: Path) -> dict[str, pd.DataFrame]:
         if f.name.lower().endswith(TABULAR) and (split := _split_of(f.name)):
             frames.setdefault(split, []).append(read_table(f))
     if not frames:
-        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.jsonl/.parquet files in this folder")
+        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.tsv/.jsonl/.json/.parquet files in this folder")
     return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
 
 
@@ -276,14 +276,9 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
-def row_place(path: Path | None, split: str, row: int) -> str:
-    """Where a row is, for an error: a local file's line (CSV: after its header), else the split's row."""
-    if path is None:
-        return f"{split} split, row {row}"
-    name = path.name.lower()
-    if name.endswith((".csv", ".csv.gz")):
-        return f"{path}: line {row + 2}"
-    return f"{path}: line {row + 1}" if name.endswith((".jsonl", ".jsonl.gz")) else f"{path}: row {row}"
+def row_places(path: Path | None, split: str, n: int) -> list[str]:
+    """Where each of n rows is, for errors: a local file's line (places), else the split's row."""
+    return [f"{split} split, row {row}" for row in range(n)] if path is None else places(path, n)
 
 
 def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
@@ -295,19 +290,20 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                                     f"{', '.join(map(str, df.columns))}); data.format alpaca reads instruction, "
                                     f"input (optional) and output")
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
-        return [chats.alpaca(a, b, c, row_place(path, split, i))
-                for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
+        return [chats.alpaca(a, b, c, at)
+                for a, b, c, at in zip(df["instruction"], inputs, df["output"], row_places(path, split, len(df)),
+                                       strict=True)]
     if d.format == "conversation":
         turns = d.conversation or {}
         check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), str(path or split + " split"))
-        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i), d.label_column)
-                for i, row in enumerate(df.to_dict("records"))]
+        return [chats.from_columns(row, turns, d.label_names, at, d.label_column)
+                for row, at in zip(df.to_dict("records"), row_places(path, split, len(df)), strict=True)]
     if d.messages_column not in df.columns:
         raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
                                 f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "
                                 f"holding the conversations")
-    return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
-            for i, v in enumerate(df[d.messages_column])]
+    return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, at)
+            for v, at in zip(df[d.messages_column], row_places(path, split, len(df)), strict=True)]
 
 
 def fields_of_columns(columns_: list[str], d: Any) -> list[str]:
@@ -333,7 +329,7 @@ def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: Data
         hits = df[col].map(chats.looks_structured)
         if hits.any():
             row = int(hits.to_numpy().argmax())
-            raise DataError(f"{row_place(path, split, row)}, column '{col}': holds a "
+            raise DataError(f"{row_places(path, split, len(df))[row]}, column '{col}': holds a "
                             f"{type(df[col].iloc[row]).__name__}, not text; for a conversation set data.format: "
                             f"messages and data.messages_column: {col} (causal_lm), else give {key} a text column")
 

@@ -33,7 +33,7 @@ def make_data(tmp_path, case):
     if case == "symlink-loop":
         os.symlink(tmp_path / "b.csv", tmp_path / "d.csv")
         os.symlink(tmp_path / "d.csv", tmp_path / "b.csv")
-        return "d.csv", "d.csv: a symlink loop; give an existing CSV/JSONL/Parquet file"
+        return "d.csv", "d.csv: a symlink loop; give an existing CSV/TSV/JSONL/JSON/Parquet file"
     os.symlink(tmp_path / "gone.csv", tmp_path / "d.csv")  # broken-symlink
     return "d.csv", f"d.csv: a broken symlink (to {tmp_path / 'gone.csv'}, which does not exist)"
 
