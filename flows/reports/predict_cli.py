@@ -192,7 +192,8 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
         if overrides:
             raise ConfigError("--set applies to a pipeline name, not to an export folder; drop it")
         if not path.is_dir():
-            raise MissingInputError(f"{target}: no such folder; give a pipeline name or an export folder")
+            why = "a file, not a folder" if path.exists() else why_missing(path)
+            raise MissingInputError(f"{target}: {why}; give a pipeline name or an export folder")
         return path
     from stages.engine.remote_store import open_store
     from stages.engine.status import CACHED, find, pipeline_status

@@ -231,6 +231,46 @@ def test_every_format_the_data_stage_reads_gives_the_evaluated_labels(runs, tmp_
     assert [r["text"] for r in recs] == texts and [r["label"] for r in recs] == expected
 
 
+def damage(folder, case):
+    import os
+
+    if case == "garbage-weights":
+        (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    elif case == "weights-cut-short":
+        os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size // 2)
+    elif case == "config-not-json":
+        (folder / "config.json").write_text('{"model_type": ')
+    elif case == "settings-without-tokenize":
+        settings = json.loads((folder / "finetune_pipeline.json").read_text())
+        del settings["tokenize"]
+        (folder / "finetune_pipeline.json").write_text(json.dumps(settings))
+    else:  # no-tokenizer
+        for f in folder.glob("tokenizer*"):
+            f.unlink()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("garbage-weights", "model.safetensors is not a readable safetensors file (Error while deserializing header: "),
+    ("weights-cut-short", "model.safetensors is not a readable safetensors file (Error while deserializing header: "
+     "incomplete metadata, file not fully covered)"),
+    ("config-not-json", "config.json cannot be read as JSON (Expecting value: line 1 column 16 (char 15))"),
+    ("settings-without-tokenize", "finetune_pipeline.json is not an export's settings (no 'tokenize')"),
+    ("no-tokenizer", "the folder has no tokenizer (none of tokenizer.json, "),
+])
+def test_a_damaged_export_folder_is_one_line_naming_the_file_exit_2(runs, tmp_path, capsys, case, message):
+    folder = tmp_path / "export"
+    shutil.copytree(runs["imdb"]["export"].path, folder)
+    damage(folder, case)
+    assert main([str(folder), "--text", "Great film."]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"error: export {folder}: {message}"), err
+    assert err.endswith("; export the pipeline again (finetune inspect verify finds damaged artifacts in the store)")
+
+    assert main([str(folder / "config.json"), "--text", "Great film."]) == 2  # a file, not the folder
+    assert capsys.readouterr().err.strip() == (f"error: {folder / 'config.json'}: a file, not a folder; give a "
+                                               f"pipeline name or an export folder")
+
+
 def test_chat_on_a_classifier_export_is_one_line_exit_2(runs, capsys):
     assert main([str(runs["imdb"]["export"].path), "--chat", "Was it good?"]) == 2
     err = capsys.readouterr().err.strip()
