@@ -12,8 +12,10 @@ seq2seq / causal_lm models print the generated text, with the evaluate stage's g
 export's generation_config.json; --max-new-tokens / --num-beams change them). Texts are tokenized as the
 tokenize stage does and run in batches sorted by length (stages/common/exported.py), with a progress bar
 on long inputs. From a pipeline name it uses the store's export for the current config and refuses, in one
-line naming the command that makes it, when that export is missing or stale. Bad input (no text, an empty
-file, no such column, a folder that is not an export) is one line on stderr, exit 2.
+line naming the command that makes it, when that export is missing or stale. --file is read as the data stage
+reads data.path (stages/common/tables.py: the same formats and errors). Bad input (no text, a file that cannot
+be read or parsed, no such column, text that is not UTF-8 or over MAX_CHARS, a folder that is not an export or
+is damaged) is one line on stderr naming the file and line, exit 2, before the model loads.
 
 A chat export (a causal LM tuned on conversations; its tokenizer carries the chat template) answers
 conversations: --chat TEXT is one user turn (each --chat its own conversation, after --system's turn when
