@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import DataError
 
@@ -33,22 +34,65 @@ def read_table(path: Path) -> pd.DataFrame:
     name = path.name.lower()
     try:
         if sep := separator(name):
-            return pd.read_csv(path, sep=sep, keep_default_na=False)
+            return read_delimited(path, sep)
         if name.endswith((".jsonl", ".jsonl.gz")):
-            return pd.read_json(path, lines=True)
-        if name.endswith(".json"):
+            table = pd.read_json(path, lines=True)
+        elif name.endswith(".json"):
             table = pd.read_json(path)
-            if not all(isinstance(c, str) for c in table.columns):  # [1, 2] reads as a column named 0
-                raise DataError(f"{path}: a JSON array of values, not of objects; give [{{\"text\": ...}}, ...] "
-                                f"(or one object per line in a .jsonl file)")
-            return table
-        if name.endswith(".parquet"):
+        elif name.endswith(".parquet"):
             return pd.read_parquet(path)
-    except DataError:
-        raise
+        else:
+            table = None
     except Exception as e:  # pandas / pyarrow / gzip parse errors: one line naming the file and the line
         raise unreadable(path, e) from None
+    if table is not None:
+        if not all(isinstance(c, str) for c in table.columns):  # values, not objects: ["a", "b"] reads as column 0
+            raise not_objects(path)
+        return table
     raise DataError(f"{path}: not a {', '.join(SUFFIXES[:-1])} or {SUFFIXES[-1]} file; give {KINDS}")
+
+
+def read_delimited(path: Path, sep: str, **kwargs: Any) -> pd.DataFrame:
+    """A CSV / TSV file as pandas reads it, empty cells as "" (not NaN), but a row with more fields than the
+    header an error (pandas would make the first row's extra field the index and shift every column by one:
+    index_col=False warns instead, and the warning is raised here)."""
+    import pandas as pd
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pd.errors.ParserWarning)
+        return pd.read_csv(path, sep=sep, keep_default_na=False, index_col=False, **kwargs)
+
+
+def not_objects(path: Path) -> DataError:
+    """A JSON or JSONL file whose rows are values (strings, numbers, lists), not objects naming their columns."""
+    if path.name.lower().endswith(".json"):
+        return DataError(f"{path}: a JSON array of values, not of objects; give [{{\"text\": ...}}, ...] (or one "
+                         f"object per line in a .jsonl file)")
+    return unreadable(path, ValueError("not one JSON object per line"))  # it names the first line that is not
+
+
+def extra_fields(path: Path, sep: str) -> DataError | None:
+    """The first record of a CSV / TSV file with more fields than its header, as one line (None: none has)."""
+    import csv
+    import sys
+
+    limit = csv.field_size_limit(sys.maxsize)
+    try:
+        with _open_text(path) as fh:
+            reader, start, width = csv.reader(fh, delimiter=sep), 1, None
+            for record in reader:
+                if record and width is None:
+                    width = len(record)
+                elif width is not None and len(record) > width:
+                    what = "comma" if sep == "," else "tab"
+                    return DataError(f"{path}: line {start} has {len(record)} fields but the header {width}; quote "
+                                     f"a field that holds a {what}, or remove the extra one")
+                start = reader.line_num + 1
+    except (OSError, ValueError, csv.Error):
+        pass
+    finally:
+        csv.field_size_limit(limit)
+    return None
 
 
 def _open_binary(path: Path):  # noqa: ANN202 - a file object
@@ -86,16 +130,21 @@ def unreadable(path: Path, e: BaseException) -> DataError:
                                      f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}")
                 if name.endswith((".jsonl", ".jsonl.gz")) and text.strip():
                     try:
-                        json.loads(text)
+                        value = json.loads(text)
                     except json.JSONDecodeError as j:
                         return DataError(f"{path}: line {i} is not valid JSON ({j.msg}); fix or "
                                          f"remove that line")
+                    if not isinstance(value, dict):
+                        return DataError(f"{path}: line {i} is a JSON {type(value).__name__}, not an object; give "
+                                         f"one object per line, e.g. {{\"text\": ...}}")
     except gzip.BadGzipFile as o:
         return DataError(f"{path}: cannot be read (not gzip: {o}); compress it with gzip, or drop .gz from its name")
     except OSError as o:  # e.g. a truncated gzip stream
         return DataError(f"{path}: cannot be read ({o}); check the file")
     if name.endswith(".parquet"):
         return DataError(f"{path}: not a readable Parquet file ({one_line(e)}); check the file")
+    if (sep := separator(name)) and (extra := extra_fields(path, sep)):
+        return extra
     if name.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as fh:
@@ -166,7 +215,7 @@ def label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColum
     sep = separator(name)
     try:
         if sep:
-            values = pd.read_csv(p, sep=sep, usecols=[column], keep_default_na=False)[column]
+            values = read_delimited(p, sep, usecols=[column])[column]
         elif name.endswith(".parquet"):
             values = pd.read_parquet(p, columns=[column])[column]
         else:
@@ -175,7 +224,7 @@ def label_column(path: str, column: str, size: int, mtime_ns: int) -> LabelColum
         if isinstance(e, UnicodeDecodeError) or type(e).__name__ in ("EmptyDataError", "ParserError"):
             raise unreadable(p, e) from None
         return LabelColumn((), None, None, ())  # no such column
-    except OSError as e:  # e.g. a .gz that is not gzip
+    except (OSError, pd.errors.ParserWarning) as e:  # e.g. a .gz that is not gzip, a row with a field too many
         raise unreadable(p, e) from None
     line0 = 2 if sep else 1  # the file's line of row 0 (a CSV's header is line 1)
     text = values.map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
@@ -212,13 +261,12 @@ def header(path: str, size: int, mtime_ns: int) -> tuple[str, ...]:
     import gzip
     import json
 
-    import pandas as pd
 
     p = Path(path)
     name = p.name.lower()
     try:
         if sep := separator(name):
-            return tuple(str(c) for c in pd.read_csv(p, sep=sep, nrows=0).columns)
+            return tuple(str(c) for c in read_delimited(p, sep, nrows=0).columns)
         if name.endswith((".jsonl", ".jsonl.gz")):
             with gzip.open(p, "rt") if name.endswith(".gz") else p.open() as fh:
                 first = next((line for line in fh if line.strip()), "{}")

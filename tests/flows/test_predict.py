@@ -152,6 +152,9 @@ BAD_FILES = {
     "gzip-that-is-not": ("a.csv.gz", b"text\ngood\n", "a.csv.gz: cannot be read (not gzip: Not a gzipped file "
                          "(b'te')); compress it with gzip, or drop .gz from its name"),
     "header-only": ("a.csv", b"text\n", "a.csv: no rows; give a file with one text"),
+    "unquoted-comma": ("a.csv", b"text\nfine, really\n", "a.csv: line 2 has 2 fields but the header 1; quote a field "
+                       "that holds a comma"),
+    "jsonl-of-arrays": ("a.jsonl", b'{"text": "good"}\n["bad"]\n', "a.jsonl: line 2 is a JSON list, not an object"),
     "tsv-wrong-column": ("a.tsv", b"id\tbody\n1\tgood\n", "a.tsv: no column 'text' (it has id, body); pass "
                          "--text-column"),
     "list-for-text": ("a.jsonl", b'{"text": "good"}\n\n{"text": ["a", "b"]}\n', "a.jsonl: line 3, column 'text': holds "
