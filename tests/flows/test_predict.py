@@ -217,6 +217,24 @@ def test_a_bad_argument_is_one_line_before_the_model_loads_exit_2(runs, tmp_path
     assert "\n" not in err and message.replace("{tmp}", str(tmp_path)) in err, err
 
 
+def test_bytes_that_are_not_utf8_on_the_command_line_are_one_line_exit_2(runs, tmp_path):
+    """The command itself, given the bytes (a latin-1 shell): one line, exit 2, no traceback; a latin-1 file
+    the same."""
+    import os
+    import subprocess
+    import sys
+
+    export = os.fsencode(runs["imdb"]["export"].path)
+    (tmp_path / "a.csv").write_bytes(b"text\ncaf\xe9\n")
+    for argv, line in [([b"--text", b"caf\xe9"], "error: --text: byte 0xe9 is not UTF-8 (character 4); give the text "
+                        "as UTF-8"),
+                       ([b"--file", os.fsencode(tmp_path / "a.csv")], f"error: --file {tmp_path / 'a.csv'}: line 2 is "
+                        f"not UTF-8 (byte 0xe9); save the file as UTF-8")]:
+        r = subprocess.run([os.fsencode(sys.executable), b"-m", b"flows.predict", export, *argv], cwd=helpers.ROOT,
+                           capture_output=True, text=True, errors="backslashreplace", timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(line), r.stderr
+
+
 @pytest.mark.parametrize("name", ["reviews.tsv", "reviews.json", "reviews.jsonl.gz"])
 def test_every_format_the_data_stage_reads_gives_the_evaluated_labels(runs, tmp_path, name):
     """--file takes what data.path takes (stages/common/tables.py), TSV and JSON arrays too."""
