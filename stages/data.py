@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import SUFFIXES, LabelColumn, columns, header, label_column, places, read_table
+from stages.common.tables import (
+    SUFFIXES,
+    LabelColumn,
+    columns,
+    each_row,
+    header,
+    label_column,
+    places,
+    read_table,
+)
 from stages.common.tasks import data_of
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
@@ -276,9 +285,9 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
-def row_places(path: Path | None, split: str, n: int) -> list[str]:
-    """Where each of n rows is, for errors: a local file's line (places), else the split's row."""
-    return [f"{split} split, row {row}" for row in range(n)] if path is None else places(path, n)
+def row_place(path: Path | None, split: str, n: int, row: int) -> str:
+    """Where row `row` of n is, for an error: a local file's line (places), else the split's row."""
+    return f"{split} split, row {row}" if path is None else places(path, n)[row]
 
 
 def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
@@ -290,20 +299,20 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
                                     f"{', '.join(map(str, df.columns))}); data.format alpaca reads instruction, "
                                     f"input (optional) and output")
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
-        return [chats.alpaca(a, b, c, at)
-                for a, b, c, at in zip(df["instruction"], inputs, df["output"], row_places(path, split, len(df)),
-                                       strict=True)]
+        return each_row(lambda r, at: chats.alpaca(r[0], r[1], r[2], at),
+                        zip(df["instruction"], inputs, df["output"], strict=True),
+                        path, len(df), lambda i: f"{split} split, row {i}")
     if d.format == "conversation":
         turns = d.conversation or {}
         check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), str(path or split + " split"))
-        return [chats.from_columns(row, turns, d.label_names, at, d.label_column)
-                for row, at in zip(df.to_dict("records"), row_places(path, split, len(df)), strict=True)]
+        return each_row(lambda row, at: chats.from_columns(row, turns, d.label_names, at, d.label_column),
+                        df.to_dict("records"), path, len(df), lambda i: f"{split} split, row {i}")
     if d.messages_column not in df.columns:
         raise MissingInputError(f"{path or split + ' split'}: no column '{d.messages_column}' (columns: "
                                 f"{', '.join(map(str, df.columns))}); set data.messages_column to the column "
                                 f"holding the conversations")
-    return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, at)
-            for v, at in zip(df[d.messages_column], row_places(path, split, len(df)), strict=True)]
+    return each_row(lambda v, at: chats.conversation(v, d.messages_column, d.message_fields, d.roles, at),
+                    df[d.messages_column], path, len(df), lambda i: f"{split} split, row {i}")
 
 
 def fields_of_columns(columns_: list[str], d: Any) -> list[str]:
@@ -329,7 +338,7 @@ def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: Data
         hits = df[col].map(chats.looks_structured)
         if hits.any():
             row = int(hits.to_numpy().argmax())
-            raise DataError(f"{row_places(path, split, len(df))[row]}, column '{col}': holds a "
+            raise DataError(f"{row_place(path, split, len(df), row)}, column '{col}': holds a "
                             f"{type(df[col].iloc[row]).__name__}, not text; for a conversation set data.format: "
                             f"messages and data.messages_column: {col} (causal_lm), else give {key} a text column")
 

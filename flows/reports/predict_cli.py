@@ -89,10 +89,10 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
 # ---------------------------------------------------------------- inputs
 
 
-def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """(rows, columns, where each row is: its line, or its row in a JSON array or Parquet file) of a data file,
-    read as the data stage reads `data.path` (stages/common/tables.py: the same formats, the same errors)."""
-    from stages.common.tables import KINDS, places, read_table
+def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows, columns) of a data file, read as the data stage reads `data.path` (stages/common/tables.py: the same
+    formats, the same errors)."""
+    from stages.common.tables import KINDS, read_table
 
     if not path.is_file():
         why = ("a folder" if path.is_dir() else "not a regular file" if path.exists() else why_missing(path))
@@ -103,7 +103,7 @@ def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str], list[str]]:
         raise DataError(f"--file {e}") from None
     if table.empty:
         raise DataError(f"--file {path}: no rows; give a file with one text (or conversation) per row")
-    return table.to_dict("records"), [str(c) for c in table.columns], places(path, len(table))
+    return table.to_dict("records"), [str(c) for c in table.columns]
 
 
 def missing_column(path: Path, column: str, columns: list[str], option: str) -> ConfigError:
@@ -117,24 +117,28 @@ def read_texts(path: Path, column: str) -> list[str]:
     """The texts of a file's column (read_rows), in file order: a number is its text, as the data stage reads
     one; an empty cell, a list or a dict is refused, naming its line."""
     from stages.common.conversations import looks_structured
+    from stages.common.tables import each_row
 
-    rows, columns, where = read_rows(path)
+    rows, columns = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--text-column")
-    texts, empty = [], []
-    for row, at in zip(rows, where, strict=True):
-        value = row.get(column)
+    empty = sum(not text_of(r.get(column)).strip() for r in rows if not looks_structured(r.get(column)))
+
+    def checked(value: Any, at: str) -> str:
         if looks_structured(value):
             raise DataError(f"--file {at}, column '{column}': holds a {type(value).__name__}, not text; for a "
                             f"chat export's conversations pass --messages-column {column}")
-        text = "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
-        if not text.strip():
-            empty.append(at)
-        texts.append(short_enough(text, f"--file {at}, column '{column}'"))
-    if empty:
-        raise DataError(f"--file {empty[0]}, column '{column}': empty ({len(empty)} such "
-                        f"row{'s' if len(empty) > 1 else ''}); fill or remove those rows")
-    return texts
+        if not (text := text_of(value)).strip():
+            raise DataError(f"--file {at}, column '{column}': empty ({empty} such row{'s' if empty > 1 else ''}); "
+                            f"fill or remove those rows")
+        return short_enough(text, f"--file {at}, column '{column}'")
+
+    return each_row(checked, [r.get(column) for r in rows], path, len(rows), lambda i: f"{path}: row {i + 1}")
+
+
+def text_of(value: Any) -> str:
+    """A cell as the data stage takes it for text: a number is its digits; missing (None, NaN) is empty."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
 
 
 def read_conversations(path: Path, column: str, system: str | None) -> list[list[dict[str, str]]]:
@@ -142,16 +146,18 @@ def read_conversations(path: Path, column: str, system: str | None) -> list[list
     {role, content}, known roles, text content), ending in a user turn; `system` goes first where there is
     no system turn."""
     from stages.common.conversations import conversation
+    from stages.common.tables import each_row
 
-    rows, columns, where = read_rows(path)
+    rows, columns = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--messages-column")
-    out = []
-    for row, at in zip(rows, where, strict=True):
-        turns = conversation(row.get(column), column, {}, {}, f"--file {at}", reply=True)
+
+    def checked(value: Any, at: str) -> list[dict[str, str]]:
+        turns = conversation(value, column, {}, {}, f"--file {at}", reply=True)
         short_enough("".join(t["content"] for t in turns), f"--file {at}, field '{column}'")
-        out.append(with_system(turns, system))
-    return out
+        return with_system(turns, system)
+
+    return each_row(checked, [r.get(column) for r in rows], path, len(rows), lambda i: f"{path}: row {i + 1}")
 
 
 def short_enough(text: str, where: str) -> str:

@@ -9,13 +9,16 @@ import dataclasses
 import functools
 import math
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stages.engine.errors import DataError
 
 if TYPE_CHECKING:
     import pandas as pd
+
+T = TypeVar("T")
 
 SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")  # what read_table reads
 KINDS = "a CSV, TSV or JSONL file (.gz too), a JSON array of objects (.json) or a Parquet file"
@@ -191,6 +194,22 @@ def places(path: Path, n: int) -> list[str]:
     if len(lines) == n:
         return [f"{path}: line {i}" for i in lines]
     return [f"{path}: row {i}" for i in range(1, n + 1)]
+
+
+def each_row(check: Callable[[Any, str], T], values: Iterable[Any], path: Path | None, n: int,
+             where: Callable[[int], str]) -> list[T]:
+    """check(value, where) over rows, each named cheaply by where(i); a row `check` refuses (DataError) is checked
+    again named by its line in `path` (places: a pass over the file, made only then), which raises."""
+    out = []
+    for i, value in enumerate(values):
+        try:
+            out.append(check(value, where(i)))
+        except DataError:
+            if path is None:
+                raise
+            check(value, places(path, n)[i])
+            raise
+    return out
 
 
 def _open_text(path: Path):  # noqa: ANN202 - a file object
