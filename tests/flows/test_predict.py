@@ -152,6 +152,8 @@ BAD_FILES = {
     "gzip-that-is-not": ("a.csv.gz", b"text\ngood\n", "a.csv.gz: cannot be read (not gzip: Not a gzipped file "
                          "(b'te')); compress it with gzip, or drop .gz from its name"),
     "header-only": ("a.csv", b"text\n", "a.csv: no rows; give a file with one text"),
+    "empty-after-two-line-text": ("a.csv", b'text\n"two\nlines"\n\n""\n', "a.csv: line 5, column 'text': empty (1 "
+                                  "such row); fill or remove those rows"),  # lines counted as in an editor
     "unquoted-comma": ("a.csv", b"text\nfine, really\n", "a.csv: line 2 has 2 fields but the header 1; quote a field "
                        "that holds a comma"),
     "jsonl-of-arrays": ("a.jsonl", b'{"text": "good"}\n["bad"]\n', "a.jsonl: line 2 is a JSON list, not an object"),
