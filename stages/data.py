@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from stages.common import conversations as chats
 from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import LabelColumn, columns, header, label_column, read_table
+from stages.common.tables import (
+    SUFFIXES,
+    LabelColumn,
+    columns,
+    each_row,
+    header,
+    label_column,
+    places,
+    read_table,
+)
 from stages.common.tasks import data_of
 from stages.engine.config import inherited_from
 from stages.engine.errors import ConfigError, DataError, MissingInputError
@@ -37,7 +46,7 @@ HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
 HUB_COLUMNS = {"imdb": ("text", "label"), "billsum": ("text", "summary", "title")}  # what `_read_hub` reads
 DEFAULT_TARGET = {"billsum": "summary"}
-TABULAR = (".csv", ".csv.gz", ".jsonl", ".jsonl.gz", ".json", ".parquet")
+TABULAR = SUFFIXES
 IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
 
 
@@ -56,13 +65,13 @@ def mirror_root(data_cfg: DataConfig) -> Path | None:
 
 def local_path(raw: str | None) -> Path:
     if not raw:
-        raise ConfigError("data.path: not set; give the local CSV/JSONL/Parquet file or folder to read")
+        raise ConfigError("data.path: not set; give the local CSV/TSV/JSONL/JSON/Parquet file or folder to read")
     for base in (Path.cwd(), PROJECT_ROOT):
         p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
         if p.exists():
             return p
     raise MissingInputError(f"data.path {raw}: {why_missing(Path(raw).expanduser())}; give an existing "
-                            f"CSV/JSONL/Parquet file, a folder of split files, or an aclImdb folder/tarball")
+                            f"CSV/TSV/JSONL/JSON/Parquet file, a folder of split files, or an aclImdb folder/tarball")
 
 
 def mirror_files(data_cfg: DataConfig) -> list[Path]:
@@ -119,7 +128,7 @@ def _read_local(path: Path) -> dict[str, pd.DataFrame]:
         if f.name.lower().endswith(TABULAR) and (split := _split_of(f.name)):
             frames.setdefault(split, []).append(read_table(f))
     if not frames:
-        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.jsonl/.parquet files in this folder")
+        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.tsv/.jsonl/.json/.parquet files in this folder")
     return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
 
 
@@ -277,14 +286,9 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
 # ------------------------------------------------------------------ shaping
 
 
-def row_place(path: Path | None, split: str, row: int) -> str:
-    """Where a row is, for an error: a local file's line (CSV: after its header), else the split's row."""
-    if path is None:
-        return f"{split} split, row {row}"
-    name = path.name.lower()
-    if name.endswith((".csv", ".csv.gz")):
-        return f"{path}: line {row + 2}"
-    return f"{path}: line {row + 1}" if name.endswith((".jsonl", ".jsonl.gz")) else f"{path}: row {row}"
+def row_place(path: Path | None, split: str, n: int, row: int) -> str:
+    """Where row `row` of n is, for an error: a local file's line (places), else the split's row."""
+    return f"{split} split, row {row}" if path is None else places(path, n)[row]
 
 
 def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None = None) -> list[list[dict]]:
@@ -293,15 +297,16 @@ def conversations(df: pd.DataFrame, d: DataConfig, split: str, path: Path | None
     check_columns(where, [str(c) for c in df.columns], named_columns(d, None))
     if d.format == "alpaca":
         inputs = df["input"] if "input" in df.columns else [""] * len(df)
-        return [chats.alpaca(a, b, c, row_place(path, split, i))
-                for i, (a, b, c) in enumerate(zip(df["instruction"], inputs, df["output"], strict=True))]
+        return each_row(lambda r, at: chats.alpaca(r[0], r[1], r[2], at),
+                        zip(df["instruction"], inputs, df["output"], strict=True),
+                        path, len(df), lambda i: f"{split} split, row {i}")
     if d.format == "conversation":
         turns = d.conversation or {}
         check_fields(turns, fields_of_columns([str(c) for c in df.columns], d), where)
-        return [chats.from_columns(row, turns, d.label_names, row_place(path, split, i), d.label_column)
-                for i, row in enumerate(df.to_dict("records"))]
-    return [chats.conversation(v, d.messages_column, d.message_fields, d.roles, row_place(path, split, i))
-            for i, v in enumerate(df[d.messages_column])]
+        return each_row(lambda row, at: chats.from_columns(row, turns, d.label_names, at, d.label_column),
+                        df.to_dict("records"), path, len(df), lambda i: f"{split} split, row {i}")
+    return each_row(lambda v, at: chats.conversation(v, d.messages_column, d.message_fields, d.roles, at),
+                    df[d.messages_column], path, len(df), lambda i: f"{split} split, row {i}")
 
 
 def fields_of_columns(columns_: list[str], d: Any) -> list[str]:
@@ -365,7 +370,7 @@ def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: Data
         hits = df[col].map(chats.looks_structured)
         if hits.any():
             row = int(hits.to_numpy().argmax())
-            raise DataError(f"{row_place(path, split, row)}, column '{col}': holds a "
+            raise DataError(f"{row_place(path, split, len(df), row)}, column '{col}': holds a "
                             f"{type(df[col].iloc[row]).__name__}, not text; for a conversation set data.format: "
                             f"messages and data.messages_column: {col} (causal_lm), else give {key} a text column")
 

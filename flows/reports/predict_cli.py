@@ -12,8 +12,10 @@ seq2seq / causal_lm models print the generated text, with the evaluate stage's g
 export's generation_config.json; --max-new-tokens / --num-beams change them). Texts are tokenized as the
 tokenize stage does and run in batches sorted by length (stages/common/exported.py), with a progress bar
 on long inputs. From a pipeline name it uses the store's export for the current config and refuses, in one
-line naming the command that makes it, when that export is missing or stale. Bad input (no text, an empty
-file, no such column, a folder that is not an export) is one line on stderr, exit 2.
+line naming the command that makes it, when that export is missing or stale. --file is read as the data stage
+reads data.path (stages/common/tables.py: the same formats and errors). Bad input (no text, a file that cannot
+be read or parsed, no such column, text that is not UTF-8 or over MAX_CHARS, a folder that is not an export or
+is damaged) is one line on stderr naming the file and line, exit 2, before the model loads.
 
 A chat export (a causal LM tuned on conversations; its tokenizer carries the chat template) answers
 conversations: --chat TEXT is one user turn (each --chat its own conversation, after --system's turn when
@@ -27,18 +29,23 @@ An export folder is predicted on without Prefect or the store; a pipeline name r
 from __future__ import annotations
 
 import argparse
-import csv
-import gzip
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
 from stages.engine.cli import guarded
 from stages.engine.commands import command
 from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
-from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.errors import ConfigError, DataError, MissingInputError
+from stages.engine.paths import why_missing
 
 SHOWN = 80  # characters of each input text printed beside its prediction
+# The longest text (a conversation: all its turns) predict takes. The model reads a text's first
+# tokenize.max_length tokens, but the tokenizer reads all of it first: 20 MB takes minutes, and most likely is
+# a broken file (a quote never closed) rather than one text.
+MAX_CHARS = 1_000_000
 
 
 def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentParser:
@@ -49,8 +56,9 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
                                 "its turn.")
     p.add_argument("target", help="a pipeline name (its export in the store) or an export folder")
     p.add_argument("--text", action="append", default=[], help="a text to predict on (repeatable)")
-    p.add_argument("--file", type=Path, help="a CSV, TSV, JSONL (.gz too) or Parquet file with one text (or, with "
-                   "--messages-column, one conversation) per row")
+    p.add_argument("--file", type=Path, help="a CSV, TSV or JSONL file (.gz too), a JSON array of objects or a "
+                   "Parquet file, as data.path takes, with one text (or, with --messages-column, one conversation) "
+                   "per row")
     p.add_argument("--text-column", default="text", help="--file's column holding the text (default: text)")
     p.add_argument("--chat", action="append", default=[], metavar="TEXT",
                    help="a chat export: a user turn to answer (repeatable: each its own conversation, batched)")
@@ -81,51 +89,21 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
 # ---------------------------------------------------------------- inputs
 
 
-def read_rows(path: Path) -> tuple[list[Any], list[str], list[str]]:
-    """(rows, columns, where each row is: "line N" of a text file, "row N" of a Parquet file) of a CSV, TSV,
-    JSONL (optionally gzipped) or Parquet file, in file order."""
-    if not path.is_file():
-        raise MissingInputError(f"--file {path}: no such file")
-    name = path.name.removesuffix(".gz")
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
+def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows, columns) of a data file, read as the data stage reads `data.path` (stages/common/tables.py: the same
+    formats, the same errors)."""
+    from stages.common.tables import KINDS, read_table
 
-        try:
-            table = pq.read_table(path)
-        except Exception as e:  # noqa: BLE001  (pyarrow's errors: a truncated or foreign file)
-            raise ConfigError(f"--file {path}: not a readable Parquet file ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:160]})") from None
-        rows, columns = table.to_pylist(), list(table.column_names)
-        where = [f"row {n}" for n in range(1, len(rows) + 1)]
-        if not rows:
-            raise ConfigError(f"--file {path}: no rows")
-        return rows, columns, where
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
-        lines: list[int] = []
-        if name.endswith(".jsonl") or name.endswith(".json"):
-            rows = []
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError:
-                        raise ConfigError(f"--file {path}: line {n} is not JSON; give one JSON object per "
-                                          f"line") from None
-                    lines.append(n)
-            columns = list(rows[0]) if rows and isinstance(rows[0], dict) else []
-        elif name.endswith((".csv", ".tsv")):
-            reader = csv.DictReader(f, delimiter="\t" if name.endswith(".tsv") else ",")
-            rows = []
-            for row in reader:
-                rows.append(row)
-                lines.append(reader.line_num)
-            columns = list(reader.fieldnames or [])
-        else:
-            raise ConfigError(f"--file {path}: not a .csv, .tsv, .jsonl or .parquet file")
-    if not rows:
-        raise ConfigError(f"--file {path}: no rows")
-    return rows, columns, [f"line {n}" for n in lines]
+    if not path.is_file():
+        why = ("a folder" if path.is_dir() else "not a regular file" if path.exists() else why_missing(path))
+        raise MissingInputError(f"--file {path}: {why}; give {KINDS}")
+    try:
+        table = read_table(path)
+    except DataError as e:
+        raise DataError(f"--file {e}") from None
+    if table.empty:
+        raise DataError(f"--file {path}: no rows; give a file with one text (or conversation) per row")
+    return table.to_dict("records"), [str(c) for c in table.columns]
 
 
 def missing_column(path: Path, column: str, columns: list[str], option: str) -> ConfigError:
@@ -136,16 +114,31 @@ def missing_column(path: Path, column: str, columns: list[str], option: str) -> 
 
 
 def read_texts(path: Path, column: str) -> list[str]:
-    """The texts of a file's column (read_rows), in file order."""
-    rows, columns, _ = read_rows(path)
+    """The texts of a file's column (read_rows), in file order: a number is its text, as the data stage reads
+    one; an empty cell, a list or a dict is refused, naming its line."""
+    from stages.common.conversations import looks_structured
+    from stages.common.tables import each_row
+
+    rows, columns = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--text-column")
-    texts = [r.get(column) if isinstance(r, dict) else None for r in rows]
-    empty = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
-    if empty:
-        raise ConfigError(f"--file {path}: column '{column}' is empty or not text in row {empty[0] + 1} "
-                          f"({len(empty)} rows); remove or fill those rows")
-    return [str(t) for t in texts]
+    empty = sum(not text_of(r.get(column)).strip() for r in rows if not looks_structured(r.get(column)))
+
+    def checked(value: Any, at: str) -> str:
+        if looks_structured(value):
+            raise DataError(f"--file {at}, column '{column}': holds a {type(value).__name__}, not text; for a "
+                            f"chat export's conversations pass --messages-column {column}")
+        if not (text := text_of(value)).strip():
+            raise DataError(f"--file {at}, column '{column}': empty ({empty} such row{'s' if empty > 1 else ''}); "
+                            f"fill or remove those rows")
+        return short_enough(text, f"--file {at}, column '{column}'")
+
+    return each_row(checked, [r.get(column) for r in rows], path, len(rows), lambda i: f"{path}: row {i + 1}")
+
+
+def text_of(value: Any) -> str:
+    """A cell as the data stage takes it for text: a number is its digits; missing (None, NaN) is empty."""
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
 
 
 def read_conversations(path: Path, column: str, system: str | None) -> list[list[dict[str, str]]]:
@@ -153,15 +146,37 @@ def read_conversations(path: Path, column: str, system: str | None) -> list[list
     {role, content}, known roles, text content), ending in a user turn; `system` goes first where there is
     no system turn."""
     from stages.common.conversations import conversation
+    from stages.common.tables import each_row
 
-    rows, columns, where = read_rows(path)
+    rows, columns = read_rows(path)
     if column not in columns:
         raise missing_column(path, column, columns, "--messages-column")
-    out = []
-    for row, at in zip(rows, where, strict=True):
-        value = row.get(column) if isinstance(row, dict) else None
-        out.append(with_system(conversation(value, column, {}, {}, f"{path}: {at}", reply=True), system))
-    return out
+
+    def checked(value: Any, at: str) -> list[dict[str, str]]:
+        turns = conversation(value, column, {}, {}, f"--file {at}", reply=True)
+        short_enough("".join(t["content"] for t in turns), f"--file {at}, field '{column}'")
+        return with_system(turns, system)
+
+    return each_row(checked, [r.get(column) for r in rows], path, len(rows), lambda i: f"{path}: row {i + 1}")
+
+
+def short_enough(text: str, where: str) -> str:
+    if len(text) > MAX_CHARS:
+        raise DataError(f"{where}: {len(text):,} characters, more than the {MAX_CHARS:,} predict takes (the model "
+                        f"reads only its first tokenize.max_length tokens); shorten it, or check the file's quotes")
+    return text
+
+
+def check_utf8(text: str, where: str) -> None:
+    """`text` from the command line, refused (naming `where`) when it cannot be UTF-8: a byte that was not
+    UTF-8 there (Python keeps it as a surrogate escape), or a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = (f"byte 0x{code - 0xDC00:02x} is not UTF-8" if 0xDC80 <= code <= 0xDCFF else
+                f"U+{code:04X} is a lone surrogate, not a character")
+        raise ConfigError(f"{where}: {what} (character {e.start + 1}); give the text as UTF-8") from None
 
 
 def with_system(turns: list[dict[str, str]], system: str | None) -> list[dict[str, str]]:
@@ -181,7 +196,8 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
         if overrides:
             raise ConfigError("--set applies to a pipeline name, not to an export folder; drop it")
         if not path.is_dir():
-            raise MissingInputError(f"{target}: no such folder; give a pipeline name or an export folder")
+            why = "a file, not a folder" if path.exists() else why_missing(path)
+            raise MissingInputError(f"{target}: {why}; give a pipeline name or an export folder")
         return path
     from stages.engine.remote_store import open_store
     from stages.engine.status import CACHED, find, pipeline_status
@@ -201,6 +217,18 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
 
 
 # ---------------------------------------------------------------- output
+
+
+def check_out(out: Path) -> None:
+    """--out can be written, known before the model loads: not a folder, in a folder that is or can be made
+    and that this user may write to."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out}: a folder; give a file name, e.g. {out / 'predictions.jsonl'}")
+    folder = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
+    if not folder.is_dir():
+        raise ConfigError(f"--out {out}: {folder} is a file, not a folder; give another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError(f"--out {out}: {out if out.exists() else folder} is not writable; give another path")
 
 
 def shown(text: str) -> str:
@@ -223,6 +251,14 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
             raise ConfigError("--system goes with --chat or --messages-column (a chat export's conversations)")
         if any(not t.strip() for t in args.text + args.chat):
             raise ConfigError(f"{'--chat' if args.chat else '--text'}: an empty text; give the text to predict on")
+        for option, values in (("--text", args.text), ("--chat", args.chat), ("--system", [args.system or ""])):
+            for i, t in enumerate(values, 1):
+                check_utf8(t, option if len(values) == 1 else f"{option} #{i}")
+        for option, n in (("--max-new-tokens", args.max_new_tokens), ("--num-beams", args.num_beams)):
+            if n is not None and n < 1:
+                raise ConfigError(f"{option}: must be at least 1, got {n}")
+        if args.out is not None:
+            check_out(args.out)
         chats = None  # conversations to answer, else texts to predict on
         if args.chat:
             chats = [with_system([{"role": "user", "content": t}], args.system) for t in args.chat]

@@ -37,9 +37,10 @@ def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapp
                  where: str, reply: bool = False) -> list[dict[str, str]]:
     """The turns of one row's `column` as [{role, content}]; `where` names the file and row for errors.
     `reply`: a conversation to answer (`finetune predict`), which ends in a user turn instead of holding an
-    assistant turn."""
+    assistant turn, and whose names no data.* setting maps (the fixes say to rename them in the file)."""
     turns = _as_list(value)
-    fix = "give each row a list of {role, content} turns (data.message_fields / data.roles map other names)"
+    fix = "give each row a list of {role, content} turns " + (
+        "(rename other keys in the file)" if reply else "(data.message_fields / data.roles map other names)")
     if not isinstance(turns, list):
         raise DataError(f"{where}, field '{column}': a {type(turns).__name__}, not a list of turns; {fix}")
     role_key, content_key = fields.get("role", "role"), fields.get("content", "content")
@@ -56,8 +57,8 @@ def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapp
         raw_role, content = turn[role_key], turn[content_key]
         role = roles.get(str(raw_role), str(raw_role))
         if role not in ROLES:
-            raise DataError(f"{at}: unknown role {raw_role!r} (known: {', '.join(ROLES)}); map it with "
-                            f"data.roles, e.g. {{{raw_role}: user}}")
+            how = "rename it to one of those in the file" if reply else f"map it with data.roles, e.g. {{{raw_role}: user}}"
+            raise DataError(f"{at}: unknown role {raw_role!r} (known: {', '.join(ROLES)}); {how}")
         if not isinstance(content, str):
             raise DataError(f"{at}: content is a {type(content).__name__}, not text; give each turn's "
                             f"'{content_key}' as a string")

@@ -48,6 +48,45 @@ def is_export(folder: Path) -> bool:
         (folder / f).is_file() for f in ("config.json", "adapter_config.json"))
 
 
+# A tokenizer loads from one of these (save_pretrained writes tokenizer.json for a fast tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+def export_settings(folder: Path) -> dict[str, Any]:
+    """The export's pipeline settings (finetune_pipeline.json), once the files loading reads are checked: every
+    JSON file parses, a tokenizer is there, every safetensors header reads (a file cut short or overwritten
+    fails here). A damaged or partial folder is one line naming the file, not a library's traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    from stages.common.tables import one_line
+
+    def damaged(name: str, why: str) -> ConfigError:
+        return ConfigError(f"export {folder}: {name} {why}; export the pipeline again (finetune inspect verify "
+                           f"finds damaged artifacts in the store)")
+
+    for f in sorted(folder.glob("*.json")):
+        try:
+            json.loads(f.read_bytes())
+        except (OSError, ValueError) as e:
+            raise damaged(f.name, f"cannot be read as JSON ({one_line(e)})") from None
+    settings = json.loads((folder / PIPELINE_JSON).read_bytes())
+    try:
+        task_of(settings["model"]["task"]), settings["tokenize"]["max_length"], settings["tokenize"]["prefix"]
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        why = f"no {e}" if isinstance(e, KeyError) else one_line(e)
+        raise damaged(PIPELINE_JSON, f"is not an export's settings ({why})") from None
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise damaged("the folder", f"has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            raise damaged(f.name, f"is not a readable safetensors file ({one_line(e)})") from None
+    return settings
+
+
 def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") -> Exported:
     """The folder's tokenizer and model (eval mode), on the GPU when there is one. `chat`: to answer
     conversations, refused (before the model loads) for an export that has no chat template. `runtime` onnx /
@@ -59,8 +98,8 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
     if not is_export(folder):
         raise ConfigError(f"{folder}: not an export folder (no {PIPELINE_JSON} beside a config.json or "
                           f"adapter_config.json); give a pipeline name or the export stage's folder")
+    settings = export_settings(folder)
     quiet_transformers()
-    settings = json.loads((folder / PIPELINE_JSON).read_text())
     task = task_of(settings["model"]["task"])
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     if chat:

@@ -108,8 +108,10 @@ class DataConfig(Section):
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
         "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
         "file(s) at `path`.")
-    path: str | None = runtime(None, description="local: a CSV / JSONL / Parquet file, a folder of split files, "
-                               "an aclImdb folder or aclImdb_v1.tar.gz; relative: to the config file's folder (a "
+    path: str | None = runtime(None, description="local: a CSV, TSV or JSONL file (each also .gz), a JSON "
+                               "array of objects (.json, `[{\"text\": ..., \"label\": ...}, ...]`), a Parquet file, a "
+                               "folder of split files (named `train*`, `validation*`, `test*`), an aclImdb folder "
+                               "or aclImdb_v1.tar.gz; relative: to the config file's folder (a "
                                "--set value: to the current directory), made absolute when loaded. Its files' "
                                "content (and their names) is in the data stage's key, not the path: moving the "
                                "file keeps the cache, but for the export stage, whose pipeline file names it")
@@ -172,7 +174,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _local_needs_path(self) -> DataConfig:
         if self.source == "local" and not self.path:
-            raise ValueError("source 'local' needs data.path (a CSV/JSONL/Parquet file or folder)")
+            raise ValueError("source 'local' needs data.path (a CSV/TSV/JSONL/JSON/Parquet file or folder)")
         if self.subset and any(v < 1 for v in self.subset.values()):
             raise ValueError("subset sizes must be >= 1")
         return self

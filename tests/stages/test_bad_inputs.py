@@ -24,6 +24,11 @@ FILES = {
     "latin1": ("d.csv", b"text,label\ngood,1\ncaf\xe9,0\n",
                "d.csv: line 3 is not UTF-8 (byte 0xe9); save the file as UTF-8, e.g. iconv -f latin1"),
     "gzip-that-is-not": ("d.csv.gz", b"text,label\na,1\n", "d.csv.gz: cannot be read ("),
+    # pandas alone would make 'fine' the index and shift the columns: ' really' the text, 1 nobody's label
+    "unquoted-comma": ("d.csv", b"text,label\nfine, really,1\nok,0\n", "d.csv: line 2 has 3 fields but the header "
+                       "2; quote a field that holds a comma, or remove the extra one"),
+    "jsonl-of-strings": ("d.jsonl", b'"good"\n"bad"\n', "d.jsonl: line 1 is a JSON str, not an object; give one "
+                         "object per line"),
 }
 
 
@@ -35,13 +40,12 @@ def make_data(tmp_path, case):
     if case == "symlink-loop":
         os.symlink(tmp_path / "b.csv", tmp_path / "d.csv")
         os.symlink(tmp_path / "d.csv", tmp_path / "b.csv")
-        return "d.csv", "d.csv: a symlink loop; give an existing CSV/JSONL/Parquet file"
+        return "d.csv", "d.csv: a symlink loop; give an existing CSV/TSV/JSONL/JSON/Parquet file"
     os.symlink(tmp_path / "gone.csv", tmp_path / "d.csv")  # broken-symlink
     return "d.csv", f"d.csv: a broken symlink (to {tmp_path / 'gone.csv'}, which does not exist)"
 
 
-@pytest.mark.parametrize("case", ["empty", "broken-jsonl", "latin1", "gzip-that-is-not", "symlink-loop",
-                                  "broken-symlink"])
+@pytest.mark.parametrize("case", [*FILES, "symlink-loop", "broken-symlink"])
 def test_a_bad_data_file_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, capsys, case):
     name, message = make_data(tmp_path, case)
     (tmp_path / "p.yaml").write_text(f"pipelines:\n  p:\n    extends: tiny-imdb\n    data: {{source: local, "

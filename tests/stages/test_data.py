@@ -119,9 +119,15 @@ def write_local(tmp_path: Path, kind: str) -> Path:
     if kind == "csv":
         p = tmp_path / "reviews.csv"
         df.to_csv(p, index=False)
+    elif kind == "tsv":
+        p = tmp_path / "reviews.tsv"
+        df.to_csv(p, sep="\t", index=False)
     elif kind == "jsonl":
         p = tmp_path / "reviews.jsonl"
         df.to_json(p, orient="records", lines=True)
+    elif kind == "json":  # one array of objects
+        p = tmp_path / "reviews.json"
+        df.to_json(p, orient="records")
     elif kind == "parquet":
         p = tmp_path / "reviews.parquet"
         df.to_parquet(p)
@@ -138,7 +144,7 @@ LOCAL = ["data.source=local", "data.text_column=review", "data.label_column=sent
          "data.split={mode: source, seed: 3, validation: 4, test: 6}", "data.subset=null"]
 
 
-@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet", "folder"])
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl", "json", "parquet", "folder"])
 def test_local_files(tmp_path, store_dir, kind):
     path = write_local(tmp_path, kind)
     o = run("tiny-imdb", *LOCAL, f"data.path={path}", until="data")["data"]
