@@ -171,10 +171,13 @@ def sweep_dir(store: Store, name: str) -> Path:
 
 
 def save_definition(s: Sweep, store: Store) -> Path:
-    """Keep an ad-hoc sweep's definition (and the pipeline file it read) in its folder of the store."""
+    """Keep an ad-hoc sweep's definition (and the pipeline file it read) in its folder of the store, its grid's
+    keys in their order: `compare --sweep NAME` then orders columns and variant labels as the sweep's own
+    comparison does. (A file written sorted, before this, still reads: its grid in sorted order.)"""
     path = sweep_dir(store, s.name) / "sweep.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"name": s.name, "config": str(s.config_file.resolve()), "spec": spec(s)})
+    write_json_atomic(path, {"name": s.name, "config": str(s.config_file.resolve()), "spec": spec(s)},
+                      sort_keys=False)
     return path
 
 

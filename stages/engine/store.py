@@ -151,11 +151,13 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any, sort_keys: bool = True) -> None:
+    """`obj` as JSON at `path`, through a temp file and a move. sort_keys=False keeps the mappings' order where
+    it means something (a sweep's grid: first key slowest); hashes never read such a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        json.dump(obj, f, indent=2, sort_keys=sort_keys, default=str)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -330,6 +330,36 @@ def test_an_adhoc_sweep_is_compared_by_name_with_the_command_it_prints(config, s
                                                                                     default=str))
 
 
+def test_a_sweep_found_by_name_keeps_its_grids_order(config, store_dir, capsys):
+    """`--grid train.max_steps=... --grid train.lr=...`: max_steps sorts after lr and stays the first (slowest)
+    key in sweep.json, so `compare --sweep NAME` prints the table, CSV and variant labels of the sweep's own
+    comparison.md, runs.csv and comparison.json. A sweep.json written sorted (before) still reads."""
+    from flows.reports.sweep_outputs import write_outputs
+    from flows.reports.variants import save_definition
+
+    sw = adhoc_sweep("tiny-imdb", ["train.max_steps=1,2", "train.lr=1e-3,1e-2"],
+                     ["data.subset={train: 16, validation: 4, test: 8}"], name="steps-lrs", config_file=config)
+    store = Store(store_dir)
+    saved = save_definition(sw, store)  # what `finetune sweep tiny-imdb --grid ... --name steps-lrs` keeps
+    own = write_outputs(compare.compare(sw, store), store)  # what the sweep flow writes when its runs end
+    assert list(json.loads(saved.read_text())["spec"]["grid"]) == ["train.max_steps", "train.lr"]
+    argv = ["compare", "--sweep", "steps-lrs", "--config", str(config)]
+    assert inspect_main(argv) == 1  # 1: nothing run yet
+    table = capsys.readouterr().out
+    assert table == own["table"].read_text()
+    assert table.splitlines()[2].startswith("| rank | max_steps | lr |")
+    assert inspect_main([*argv, "--csv"]) == 1
+    assert capsys.readouterr().out.splitlines() == own["csv"].read_text().splitlines()
+    assert own["csv"].read_text().startswith("variant,train.max_steps,train.lr,")
+    assert inspect_main([*argv, "--json"]) == 1
+    labels = [v["variant"] for v in json.loads(capsys.readouterr().out)["variants"]]
+    assert labels == [v["variant"] for v in json.loads(own["json"].read_text())["variants"]]
+    assert labels == ["max_steps=1 lr=0.001", "max_steps=1 lr=0.01", "max_steps=2 lr=0.001", "max_steps=2 lr=0.01"]
+    saved.write_text(json.dumps(json.loads(saved.read_text()), sort_keys=True))  # as an older version wrote it
+    assert inspect_main(argv) == 1
+    assert capsys.readouterr().out.splitlines()[2].startswith("| rank | lr | max_steps |")
+
+
 def test_shared_names_the_stages_other_variants_have_not_a_variants_own_seeds(tmp_path):
     """Variants that differ in adapters.r share data/tokenize/model; each variant's two seeds share its own
     adapters artifact, which is not shared with the other variant."""
