@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m flows.serve") -> 
         unknown = [n for n in args.pipelines if n not in available]
         if unknown:
             raise ConfigError(f"unknown pipeline(s) {', '.join(unknown)}; available: {', '.join(available)}")
-        names = args.pipelines or (available if is_project_file(args.config) else own_names(args.config))
+        # a file of the user's: its own pipelines and sweeps; all of them when it has none (defaults only)
+        names = args.pipelines or (available if is_project_file(args.config) else
+                                   own_names(args.config) or available)
         try:
             return serve_deployments(names, args)
         except KeyboardInterrupt:

@@ -177,12 +177,15 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path.name}: {e}") from None
     except RecursionError:
         raise ConfigError(f"{path.name}: nested too deeply to be a pipeline file; check its content") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("pipelines"), dict):
-        raise ConfigError(f"{path.name}: needs a top-level 'pipelines:' mapping of named pipelines")
-    unknown = set(doc) - {"defaults", "pipelines", "sweeps"}
+    unknown = set(doc) - {"defaults", "pipelines", "sweeps"} if isinstance(doc, dict) else set()
     if unknown:
         raise ConfigError(f"{path.name}: unknown top-level key(s) {sorted(unknown)}; allowed: defaults, pipelines, "
                           f"sweeps")
+    if not isinstance(doc, dict) or not any(doc.values()):  # a file of the user's may hold any of the three
+        raise ConfigError(f"{path.name}: holds no pipelines:, sweeps: or defaults: mapping; give at least one "
+                          f"(a file of yours builds on the project's {DEFAULT_PIPELINE_FILE.name})")
+    if not isinstance(doc.get("pipelines") or {}, dict):
+        raise ConfigError(f"{path.name}: pipelines must be a mapping of named pipelines")
     if not isinstance(doc.get("sweeps") or {}, dict):
         raise ConfigError(f"{path.name}: sweeps must be a mapping of named sweeps")
     if not isinstance(doc.get("defaults") or {}, dict):
@@ -250,7 +253,7 @@ def _anchored_doc(path: Path) -> dict:
     folder = path.resolve().parent
     return {"defaults": anchor_paths(doc.get("defaults") or {}, folder),
             "pipelines": {n: anchor_paths(b, folder) if isinstance(b, dict) else b
-                          for n, b in doc["pipelines"].items()},
+                          for n, b in (doc.get("pipelines") or {}).items()},
             "sweeps": {n: _anchor_sweep(b, folder) for n, b in (doc.get("sweeps") or {}).items()}}
 
 
@@ -284,7 +287,7 @@ def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
 def own_names(path: Path | str) -> list[str]:
     """The pipelines and sweeps a file defines itself (not those it builds on)."""
     doc = read_yaml(Path(path))
-    return [*doc["pipelines"], *(doc.get("sweeps") or {})]
+    return [*(doc.get("pipelines") or {}), *(doc.get("sweeps") or {})]
 
 
 def _missing(base: dict, own: dict) -> dict:

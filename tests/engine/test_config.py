@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stages.__main__ import main as main_plain
-from stages.engine.config import load_pipeline, pipeline_names
+from stages.engine.config import load_pipeline, load_sweep, own_names, pipeline_names, sweep_names
 from stages.engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,6 +251,33 @@ def test_a_user_file_error_names_the_file_it_comes_from(tmp_path):
     path.write_text("defaults:\n  train: {optimizer: sgd}\npipelines:\n  other:\n    extends: tiny-imdb\n")
     with pytest.raises(ConfigError, match=r"^defaults.train.optimizer: must be one of"):
         load_pipeline("other", [], path)
+
+
+def test_a_user_file_of_sweeps_or_defaults_alone_builds_on_the_projects_pipelines(tmp_path, store_dir, capsys):
+    path = tmp_path / "mine.yaml"
+    path.write_text("sweeps:\n  my-lrs:\n    pipeline: tiny-imdb\n    grid: {train.lr: [1.0e-3, 1.0e-2]}\n")
+    assert own_names(path) == ["my-lrs"] and "tiny-imdb" in pipeline_names(path)
+    assert {"my-lrs", *sweep_names()} == set(sweep_names(path))
+    assert load_sweep("my-lrs", path).grid == {"train.lr": [1e-3, 1e-2]}
+    path.write_text("defaults:\n  train: {weight_decay: 0.02}\n")
+    assert own_names(path) == [] and pipeline_names(path) == pipeline_names()
+    assert load_pipeline("tiny-imdb", [], path).train.weight_decay == 0.02
+    assert load_pipeline("tiny-imdb").train.weight_decay == 0.0
+    path.write_text("defaults:\n  train: {optimizer: sgd}\n")  # read by the command: the project's pipeline fails
+    code, err = run_cli(["tiny-imdb", "--config", str(path)], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: defaults.train.optimizer: must be one of 'adam', 'adamw_torch', 'adamw_8bit' or 'paged_adamw_8bit', "
+        "got 'sgd'"], err
+    for text in ("", "# nothing yet\n", "pipelines:\n", "defaults: {}\nsweeps:\n", "- a list\n"):
+        path.write_text(text)
+        code, err = run_cli(["tiny-imdb", "--config", str(path)], capsys)
+        assert code == 2 and err.strip().splitlines() == [
+            "error: mine.yaml: holds no pipelines:, sweeps: or defaults: mapping; give at least one (a file of "
+            "yours builds on the project's pipeline.yaml)"], (text, err)
+    path.write_text("pipelines: [demo]\n")
+    code, err = run_cli(["tiny-imdb", "--config", str(path)], capsys)
+    assert code == 2 and err.strip() == "error: mine.yaml: pipelines must be a mapping of named pipelines", err
+    assert not store_dir.exists()
 
 
 @pytest.mark.parametrize("word,field,expected", [("no", "train.mixed_precision", "no"),

@@ -202,6 +202,22 @@ def test_a_bad_wait_or_limit_is_one_line_exit_2_before_any_server_is_asked(argv,
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+def test_a_user_file_of_defaults_alone_serves_every_pipeline_and_sweep(tmp_path, monkeypatch):
+    """A file of sweeps serves those; one of defaults alone has none of its own: every pipeline and sweep, which
+    its defaults change."""
+    from flows.orchestration import serving
+    from stages.engine.config import sweep_names
+
+    served: list[list[str]] = []
+    monkeypatch.setattr(serving, "serve_deployments", lambda names, args: served.append(names) or 0)
+    monkeypatch.setattr(serving.signal, "signal", lambda *a: None)  # the test process keeps its handlers
+    path = tmp_path / "mine.yaml"
+    path.write_text("sweeps:\n  my-lrs:\n    pipeline: tiny-imdb\n    grid: {train.lr: [1.0e-3, 1.0e-2]}\n")
+    assert serving.main(["--config", str(path)]) == 0 and served == [["my-lrs"]]
+    path.write_text("defaults:\n  train: {weight_decay: 0.02}\n")
+    assert serving.main(["--config", str(path)]) == 0 and served[1] == pipeline_names() + sweep_names()
+
+
 def test_artifact_builders(tmp_path):
     """What the train / evaluate / export extras put in the UI, from a manifest and its folder."""
     from flows.orchestration.ui_artifacts import (
