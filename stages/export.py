@@ -35,7 +35,8 @@ import torch
 from stages.common import gguf_export, onnx_export
 from stages.common.compat.peft import peft_dispatch
 from stages.common.compat.transformers import drop_quantization_config
-from stages.common.hf import load_tokenizer, split_gguf
+from stages.common.export_layout import hub_base, top_layout
+from stages.common.hf import load_tokenizer
 from stages.common.model_loading import (
     DTYPES,
     LOAD_INFO,
@@ -59,29 +60,6 @@ HUB_DATASETS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 
 
 # ---------------------------------------------------------------- what goes at the top
-
-
-def hub_base(m: Any) -> bool:
-    """Whether the base is a hub model that from_pretrained(id, revision=sha) rebuilds (not a package, a local
-    folder, a GGUF file or a random init)."""
-    return not m.from_config and not m.gguf_file and split_gguf(m.name, None)[2] is None
-
-
-def top_layout(cfg: Any) -> str:
-    """`model` (full finetune), `adapter` or `merged`: what sits at the top of the export folder."""
-    if cfg.adapters.method == "full":
-        return "model"
-    m, x = cfg.model, cfg.export
-    alone = hub_base(m) and not task_of(m.task).classifies
-    if x.layout == "adapter" and not alone:
-        why = ("its base is not on a hub" if not hub_base(m) else
-               "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
-        raise ConfigError(f"export.layout adapter: the adapter alone cannot load from the export folder ({why}); "
-                          f"set export.layout to auto or merged")
-    if x.layout == "auto":  # the ONNX export and llama.cpp's converter read merged weights
-        beside = {"onnx", "gguf"} & set(x.formats)
-        return "adapter" if alone and cfg.quantization.mode == "none" and not beside else "merged"
-    return x.layout
 
 
 def pinned_revision(ctx: Any) -> str | None:

@@ -8,7 +8,7 @@ to the engine (stages/engine/runner.py executes it)."""
 from __future__ import annotations
 
 from stages import data
-from stages.common import chat, distributed, gguf_export, onnx_export
+from stages.common import chat, distributed, export_layout, gguf_export, onnx_export
 from stages.common.hf import (
     check_model_folder,
     check_tokenizer_folder,
@@ -37,7 +37,7 @@ def check_model(cfg: PipelineConfig) -> None:
 
 def check_formats(cfg: PipelineConfig) -> None:
     """export.formats: each one possible for the task, its extra installed, the merged weights it is written from
-    exported (plan time)."""
+    exported; export.layout adapter only where the adapter loads alone (plan time)."""
     onnx_export.check_formats(cfg)
     gguf_export.check_formats(cfg)
     x = cfg.export
@@ -45,6 +45,7 @@ def check_formats(cfg: PipelineConfig) -> None:
             x.layout == "adapter" and not x.merge:
         raise ConfigError(f"export.formats {', '.join(beside)}: written from merged weights, and export.layout "
                           f"adapter writes the adapter alone; set export.merge=true (or export.layout merged or auto)")
+    export_layout.top_layout(cfg)  # raises where the adapter at the top could not load alone
 
 
 GRAPH = Graph([

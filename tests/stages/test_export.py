@@ -176,8 +176,8 @@ def command_reproduces(out: dict, name: str) -> list[str]:
 
 
 def test_what_sits_at_the_top_of_the_folder_and_an_adapter_that_cannot_load_alone():
+    from stages.common.export_layout import top_layout
     from stages.engine.errors import ConfigError
-    from stages.export import top_layout
 
     hub_t5 = ["model.name=acme/tiny-t5", "model.from_config=null"]
     assert top_layout(load_pipeline("tiny-billsum")) == "merged"  # a random-init base: nothing to fetch
@@ -190,3 +190,29 @@ def test_what_sits_at_the_top_of_the_folder_and_an_adapter_that_cannot_load_alon
     lora_cls = ["model.name=acme/bloom", "model.from_config=null", *IMDB_LORA, "export.layout=adapter"]
     with pytest.raises(ConfigError, match="a classifier's head is new"):
         top_layout(load_pipeline("tiny-imdb", lora_cls))
+
+
+@pytest.mark.parametrize("sets,why", [
+    (["export.layout=adapter"], "its base is not on a hub"),
+    (["model.name=acme/bloom", "model.from_config=null", *IMDB_LORA, "export.layout=adapter"],
+     "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it"),
+], ids=["random-base", "hub-classifier"])
+def test_an_adapter_that_cannot_load_alone_is_refused_before_prefect_and_any_stage(tmp_path, sets, why):
+    """Known from the config: one line, exit 2, from the flow's entry point on a fresh store, with nothing
+    written (no store, no Prefect home), not after training."""
+    import subprocess
+    import sys
+    import time
+
+    pipeline = "tiny-billsum" if len(sets) == 1 else "tiny-imdb"
+    env = {"PATH": "/usr/bin:/bin", "FINETUNE_STORE": str(tmp_path / "store"), "HF_HUB_OFFLINE": "1",
+           "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(helpers.ROOT)}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flows.finetune", pipeline, *(a for x in sets for a in ("--set", x))],
+                          cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (
+        2, f"error: export.layout adapter: the adapter alone cannot load from the export folder ({why}); set "
+           f"export.layout to auto or merged", "")
+    assert not (tmp_path / "store").exists() and not (tmp_path / "prefect").exists()
+    assert took < 10, took
