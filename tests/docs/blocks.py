@@ -1,0 +1,332 @@
+"""The docs' commands as tests: the fenced blocks of README.md and docs/*.md, their `<!-- test: ... -->` markers,
+and the names a doc mentions (test and bench files, settings). docs/stages.md#the-docs-blocks-are-tests says what
+a marker may say; tests/docs/test_doc_blocks.py runs them.
+
+A marker is an HTML comment (invisible on GitHub) on the lines right above a fence, one directive each:
+
+    <!-- test: skip — REASON -->                  the block is not run (a GPU, the hub, a server, an hour)
+    <!-- test: skip 'CMD' 'CMD' — REASON -->      those commands of the block (by how they start) are not run
+    <!-- test: replace 'OLD' 'NEW' -->            the block runs with OLD replaced by NEW (a tiny pipeline, say)
+    <!-- test: file NAME -->                      a YAML block is the file NAME in the doc's folder, and every
+                                                  pipeline and sweep it defines is loaded and planned
+    <!-- test: excerpt of pipeline.yaml -->       a YAML block is part of pipeline.yaml, value for value
+    <!-- test: output of 'CMD' -->                an untagged block is what CMD prints (error lines compared)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+SHELL = ("bash", "sh", "console", "shell")
+FENCE = re.compile(r"^(\s*)(```|~~~)\s*([\w-]*)\s*$")
+MARKER = re.compile(r"^\s*<!--\s*test:\s*(.*?)\s*-->\s*$")
+REASON = re.compile(r"\s+(?:—|--)\s+(.+)$")
+DONE = "@@doc-block-rc="
+
+
+class MarkerError(ValueError):
+    """A marker the runner cannot read: its line and what is wrong."""
+
+
+@dataclass
+class Marker:
+    skip: str | None = None                      # the whole block, with its reason
+    skip_commands: tuple[str, ...] = ()          # commands starting with these are not run
+    skip_reason: str | None = None
+    replace: list[tuple[str, str]] = field(default_factory=list)
+    file: str | None = None
+    excerpt: str | None = None
+    output_of: str | None = None
+
+
+@dataclass
+class Block:
+    doc: Path
+    line: int          # the fence's line, 1-based
+    lang: str
+    text: str
+    marker: Marker
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc.name}:{self.line}"
+
+    @property
+    def shell(self) -> bool:
+        return self.lang in SHELL
+
+    def runnable_text(self) -> str:
+        text = self.text
+        for old, new in self.marker.replace:
+            if old not in text:
+                raise MarkerError(f"{self.where}: replace {old!r}: not in the block")
+            text = text.replace(old, new)
+        return text
+
+
+def parse_marker(lines: list[tuple[int, str]], doc: Path) -> Marker:
+    m = Marker()
+    for n, body in lines:
+        where = f"{doc.name}:{n}"
+        reason = None
+        if r := REASON.search(body):
+            reason, body = r.group(1).strip(), body[:r.start()]
+        try:
+            words = shlex.split(body)
+        except ValueError as e:
+            raise MarkerError(f"{where}: <!-- test: {body} -->: {e}") from None
+        if not words:
+            raise MarkerError(f"{where}: an empty test marker")
+        verb, args = words[0], words[1:]
+        if verb == "skip":
+            if not reason:
+                raise MarkerError(f"{where}: a skip says why: <!-- test: skip — REASON -->")
+            if args:
+                m.skip_commands += tuple(args)
+                m.skip_reason = reason
+            else:
+                m.skip = reason
+        elif verb == "replace" and len(args) == 2:
+            m.replace.append((args[0], args[1]))
+        elif verb == "file" and len(args) == 1:
+            m.file = args[0]
+        elif verb == "excerpt" and args[:1] == ["of"] and len(args) == 2:
+            m.excerpt = args[1]
+        elif verb == "output" and args[:1] == ["of"] and len(args) == 2:
+            m.output_of = args[1]
+        else:
+            raise MarkerError(f"{where}: unknown test marker {body!r}: skip — REASON, skip 'CMD' — REASON, "
+                              "replace 'OLD' 'NEW', file NAME, excerpt of pipeline.yaml, output of 'CMD'")
+    return m
+
+
+def blocks(doc: Path, text: str | None = None) -> list[Block]:
+    """Every fenced block of a markdown file, with the marker right above it."""
+    lines = (doc.read_text() if text is None else text).splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, fence = i, m.group(2)
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != fence:
+            j += 1
+        above, k = [], start - 1
+        while k >= 0 and (mm := MARKER.match(lines[k])):
+            above.insert(0, (k + 1, mm.group(1)))
+            k -= 1
+        indent = len(m.group(1))
+        body = "\n".join(ln[indent:] for ln in lines[start + 1:j])
+        out.append(Block(doc, start + 1, m.group(3).lower(), body, parse_marker(above, doc)))
+        i = j + 1
+    return out
+
+
+# ------------------------------------------------------------------ shell blocks
+
+
+@dataclass
+class Command:
+    text: str          # as run (continuation lines joined by bash itself)
+    expected: str      # what a console block shows it prints ("" for none)
+
+
+def commands(block: Block) -> list[Command]:
+    """The commands of a shell block: a console block's `$ ` lines (the lines after one are its output), or a
+    bash block's lines, a line ending in `\\` continued; comment lines dropped."""
+    text = block.runnable_text()
+    out: list[Command] = []
+    lines = text.splitlines()
+    console = block.lang == "console"
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if console and not line.startswith("$ "):
+            if out:
+                out[-1].expected += line + "\n"
+            i += 1
+            continue
+        if not line.strip() or line.lstrip().startswith("#"):
+            i += 1
+            continue
+        cmd = [line[2:] if console else line]
+        while cmd[-1].rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            cmd.append(lines[i])
+        out.append(Command("\n".join(cmd), ""))
+        i += 1
+    return out
+
+
+def skipped(block: Block, cmd: Command) -> bool:
+    return any(cmd.text.lstrip().startswith(s) for s in block.marker.skip_commands)
+
+
+def squeeze(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_commands(cmds: list[Command], cwd: Path, env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
+    """Each command in one bash (exports carry over), as a user types them: (exit code, output) of each."""
+    script = ["exec 2>&1"]
+    for c in cmds:
+        script += [c.text, f'echo "{DONE}$?"']
+    res = subprocess.run(["bash", "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=timeout, stdin=subprocess.DEVNULL)
+    parts = re.split(rf"{re.escape(DONE)}(\d+)\n", res.stdout)
+    results = [(int(parts[k + 1]), parts[k]) for k in range(0, len(parts) - 1, 2)]
+    if len(results) < len(cmds):  # bash itself ended early (`exit`, a syntax error)
+        results.append((res.returncode, parts[-1]))
+    return results
+
+
+def problem(cmd: Command, rc: int, output: str) -> str | None:
+    """Why a command did not do what its doc says (None when it did). A command whose doc shows it printing
+    something must print that (whitespace aside; an `error:` line included); any other must not fail: exit 0,
+    or 1 (status and compare: something is not cached) without an error or a traceback."""
+    short = output.strip()[-1500:]
+    if "Traceback (most recent call last)" in output:
+        return f"`{cmd.text}` printed a traceback:\n{short}"
+    if cmd.expected.strip():
+        if squeeze(cmd.expected) not in squeeze(output):
+            return f"`{cmd.text}` printed\n{short}\nnot what the doc shows:\n{cmd.expected.strip()}"
+        return None
+    if rc not in (0, 1) or (rc == 1 and re.search(r"(?m)^(error|Error|\S+Error):", output)):
+        return f"`{cmd.text}` exited {rc}:\n{short}"
+    return None
+
+
+def run_block(block: Block, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[list[str], int, int]:
+    """(problems, commands run, commands skipped) of a shell block."""
+    cmds = commands(block)
+    todo = [c for c in cmds if not skipped(block, c)]
+    if not todo:
+        return [], 0, len(cmds)
+    results = run_commands(todo, cwd, env, timeout)
+    problems = []
+    for c, (rc, out) in zip(todo, results, strict=False):
+        if p := problem(c, rc, out):
+            problems.append(f"{block.where}: {p}")
+    if len(results) < len(todo):
+        problems.append(f"{block.where}: the block ended before `{todo[len(results)].text}`")
+    return problems, len(todo), len(cmds) - len(todo)
+
+
+def output_problem(block: Block, cwd: Path, env: dict[str, str], timeout: float = 300) -> str | None:
+    """An untagged block marked `output of 'CMD'`: CMD, run, prints the block (an error line: that line)."""
+    assert block.marker.output_of
+    cmd = Command(block.marker.output_of, block.text)
+    rc, out = run_commands([cmd], cwd, env, timeout)[0]
+    if p := problem(cmd, rc, out):
+        return f"{block.where}: {p}"
+    if block.text.lstrip().startswith("error:") and rc != 2:
+        return f"{block.where}: `{cmd.text}` exited {rc}, not 2 (bad input)"
+    return None
+
+
+# ------------------------------------------------------------------ YAML blocks
+
+
+def contains(whole: object, part: object, at: str = "") -> list[str]:
+    """Where `part` is not `whole` (a mapping: each of its keys, recursively)."""
+    if isinstance(part, dict):
+        if not isinstance(whole, dict):
+            return [f"{at or 'the top'}: a mapping in the doc, {whole!r} in the file"]
+        out = []
+        for k, v in part.items():
+            if k not in whole:
+                out.append(f"{at}{k}: not in the file")
+            else:
+                out += contains(whole[k], v, f"{at}{k}.")
+        return out
+    return [] if whole == part else [f"{at.rstrip('.')}: {part!r} in the doc, {whole!r} in the file"]
+
+
+def yaml_problems(block: Block, folder: Path, project_file: Path) -> list[str]:
+    """A YAML block: an excerpt equal to the project's file, or a pipeline file whose pipelines load and plan
+    and whose sweeps load (every variant validated), through the real loader, nothing trained."""
+    from stages.engine.config import load_doc, load_pipeline, load_sweep, own_names
+    from stages.engine.errors import FinetuneError
+    from stages.engine.remote_store import open_store
+    from stages.graph import GRAPH
+
+    doc = yaml.safe_load(block.text)
+    if block.marker.excerpt:
+        whole = yaml.safe_load(project_file.read_text())
+        return [f"{block.where}: {p}" for p in contains(whole, doc)]
+    name = block.marker.file or "doc-block.yaml"
+    path = folder / name
+    path.write_text(block.text + "\n")
+    out = []
+    try:
+        pipelines = own_names(path)
+        sweeps = list((load_doc(path).get("sweeps") or {}).keys() & (doc.get("sweeps") or {}).keys())
+        cwd = Path.cwd()
+        os.chdir(folder)
+        try:
+            for p in pipelines:
+                GRAPH.plan(load_pipeline(p, path=path), open_store())
+            for s in sweeps:
+                load_sweep(s, path)
+        finally:
+            os.chdir(cwd)
+    except FinetuneError as e:
+        out.append(f"{block.where}: {name}: {e}")
+    return out
+
+
+# ------------------------------------------------------------------ names a doc mentions
+
+PATH = re.compile(r"(?<![\w/.-])((?:tests|bench)/[\w/.-]*\w)(?:::(\w+))?")
+SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
+SETTING = re.compile(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?![\w(-])")
+# dotted words that are not settings: files, and attributes in prose about code
+NOT_SETTINGS = re.compile(r"\.(py|md|json|jsonl|yaml|yml|safetensors|onnx|gguf|arrow|csv|png|txt|jinja|bin)$|"
+                          r"^model\.(generate|eval|config)(\.|$)|^export\.py$")
+
+
+def code_spans(text: str) -> str:
+    """The text without its python blocks (code, not settings or paths of the project)."""
+    return re.sub(r"(?ms)^\s*```python\n.*?^\s*```", lambda m: "\n" * m.group(0).count("\n"), text)
+
+
+def missing_paths(text: str, root: Path, where: str) -> list[str]:
+    """Every tests/... or bench/... path (and tests/...::name) the text names that does not exist, with the fix."""
+    out = []
+    for m in PATH.finditer(text):
+        path, name = m.group(1), m.group(2)
+        if path.startswith("bench/out/"):  # where a bench writes, not a file of the project
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        target = root / path
+        if not target.exists():
+            moved = sorted(str(p.relative_to(root)) for p in (root / path.split("/")[0]).rglob(Path(path).name))
+            out.append(f"{where}:{line}: {path} does not exist" + (f"; it is {moved[0]} now" if moved else ""))
+        elif name and target.is_file() and not re.search(rf"(?m)^\s*(async )?def {name}\(", target.read_text()):
+            out.append(f"{where}:{line}: {path} has no test {name}")
+    return out
+
+
+def unknown_settings(text: str, known: set[str], where: str) -> list[str]:
+    """Every setting name (section.field...) the text names that the schema does not have, with the nearest."""
+    import difflib
+
+    out = []
+    text = code_spans(text)
+    for m in SETTING.finditer(text):
+        name = m.group(1)
+        if NOT_SETTINGS.search(name) or name in known:
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        near = difflib.get_close_matches(name, known, n=1)
+        out.append(f"{where}:{line}: {name} is no setting" + (f"; did you mean {near[0]}?" if near else ""))
+    return out
