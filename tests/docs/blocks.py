@@ -38,8 +38,7 @@ class MarkerError(ValueError):
 @dataclass
 class Marker:
     skip: str | None = None                      # the whole block, with its reason
-    skip_commands: tuple[str, ...] = ()          # commands starting with these are not run
-    skip_reason: str | None = None
+    skip_commands: dict[str, str] = field(default_factory=dict)   # how a command starts -> why it is not run
     replace: list[tuple[str, str]] = field(default_factory=list)
     file: str | None = None
     excerpt: str | None = None
@@ -89,8 +88,7 @@ def parse_marker(lines: list[tuple[int, str]], doc: Path) -> Marker:
             if not reason:
                 raise MarkerError(f"{where}: a skip says why: <!-- test: skip — REASON -->")
             if args:
-                m.skip_commands += tuple(args)
-                m.skip_reason = reason
+                m.skip_commands.update(dict.fromkeys(args, reason))
             else:
                 m.skip = reason
         elif verb == "replace" and len(args) == 2:
@@ -167,8 +165,10 @@ def commands(block: Block) -> list[Command]:
     return out
 
 
-def skipped(block: Block, cmd: Command) -> bool:
-    return any(cmd.text.lstrip().startswith(s) for s in block.marker.skip_commands)
+def skip_reason(block: Block, cmd: Command) -> str | None:
+    """Why the block's marker skips this command (None: it runs)."""
+    return next((why for start, why in block.marker.skip_commands.items() if cmd.text.lstrip().startswith(start)),
+                None)
 
 
 def squeeze(text: str) -> str:
@@ -176,13 +176,16 @@ def squeeze(text: str) -> str:
 
 
 def run_commands(cmds: list[Command], cwd: Path, env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
-    """Each command in one bash (exports carry over), as a user types them: (exit code, output) of each."""
+    """Each command in one bash (exports carry over), as a user types them: (exit code, output) of each; a
+    path in the folder (or a folder under it) printed as its file name, as a doc shows it."""
     script = ["exec 2>&1"]
     for c in cmds:
         script += [c.text, f'echo "{DONE}$?"']
     res = subprocess.run(["bash", "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=timeout, stdin=subprocess.DEVNULL)
-    parts = re.split(rf"{re.escape(DONE)}(\d+)\n", res.stdout)
+    folders = "|".join(re.escape(str(f)) for f in {cwd, cwd.resolve()})
+    out = re.sub(rf"(?:{folders})(/[\w.-]+)*/", "", res.stdout)
+    parts = re.split(rf"{re.escape(DONE)}(\d+)\n", out)
     results = [(int(parts[k + 1]), parts[k]) for k in range(0, len(parts) - 1, 2)]
     if len(results) < len(cmds):  # bash itself ended early (`exit`, a syntax error)
         results.append((res.returncode, parts[-1]))
@@ -208,7 +211,7 @@ def problem(cmd: Command, rc: int, output: str) -> str | None:
 def run_block(block: Block, cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[list[str], int, int]:
     """(problems, commands run, commands skipped) of a shell block."""
     cmds = commands(block)
-    todo = [c for c in cmds if not skipped(block, c)]
+    todo = [c for c in cmds if not skip_reason(block, c)]
     if not todo:
         return [], 0, len(cmds)
     results = run_commands(todo, cwd, env, timeout)
