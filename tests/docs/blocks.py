@@ -9,7 +9,8 @@ A marker is an HTML comment (invisible on GitHub) on the lines right above a fen
     <!-- test: replace 'OLD' 'NEW' -->            the block runs with OLD replaced by NEW (a tiny pipeline, say)
     <!-- test: file NAME -->                      a YAML block is the file NAME in the doc's folder, and every
                                                   pipeline and sweep it defines is loaded and planned
-    <!-- test: excerpt of pipeline.yaml -->       a YAML block is part of pipeline.yaml, value for value
+    <!-- test: excerpt of pipeline.yaml PLACE --> a YAML block is part of pipeline.yaml (at the dotted PLACE:
+                                                  pipelines.smol-chat), value for value
     <!-- test: output of 'CMD' -->                an untagged block is what CMD prints (error lines compared)
 """
 
@@ -41,7 +42,7 @@ class Marker:
     skip_commands: dict[str, str] = field(default_factory=dict)   # how a command starts -> why it is not run
     replace: list[tuple[str, str]] = field(default_factory=list)
     file: str | None = None
-    excerpt: str | None = None
+    excerpt: str | None = None                   # the dotted place in pipeline.yaml ("" the top)
     output_of: str | None = None
 
 
@@ -95,13 +96,13 @@ def parse_marker(lines: list[tuple[int, str]], doc: Path) -> Marker:
             m.replace.append((args[0], args[1]))
         elif verb == "file" and len(args) == 1:
             m.file = args[0]
-        elif verb == "excerpt" and args[:1] == ["of"] and len(args) == 2:
-            m.excerpt = args[1]
+        elif verb == "excerpt" and args[:2] == ["of", "pipeline.yaml"] and len(args) in (2, 3):
+            m.excerpt = args[2] if len(args) == 3 else ""
         elif verb == "output" and args[:1] == ["of"] and len(args) == 2:
             m.output_of = args[1]
         else:
             raise MarkerError(f"{where}: unknown test marker {body!r}: skip — REASON, skip 'CMD' — REASON, "
-                              "replace 'OLD' 'NEW', file NAME, excerpt of pipeline.yaml, output of 'CMD'")
+                              "replace 'OLD' 'NEW', file NAME, excerpt of pipeline.yaml [PLACE], output of 'CMD'")
     return m
 
 
@@ -263,9 +264,11 @@ def yaml_problems(block: Block, folder: Path, project_file: Path) -> list[str]:
     from stages.graph import GRAPH
 
     doc = yaml.safe_load(block.text)
-    if block.marker.excerpt:
+    if block.marker.excerpt is not None:
         whole = yaml.safe_load(project_file.read_text())
-        return [f"{block.where}: {p}" for p in contains(whole, doc)]
+        for key in filter(None, block.marker.excerpt.split(".")):
+            whole = whole.get(key) if isinstance(whole, dict) else None
+        return [f"{block.where}: pipeline.yaml {block.marker.excerpt}: {p}" for p in contains(whole, doc)]
     name = block.marker.file or "doc-block.yaml"
     path = folder / name
     path.write_text(block.text + "\n")

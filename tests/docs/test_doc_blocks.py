@@ -58,12 +58,14 @@ def reviews(n: int, start: int = 12470) -> pd.DataFrame:
 
 def write_doc_files(doc: Path, folder: Path) -> None:
     """What a doc says the reader has beside its commands: configuration.md's reviews.csv (3 string classes),
-    chat.md's chats.jsonl (150 ShareGPT conversations). Real IMDB reviews, a few kB."""
+    export.md's (a `review` column), chat.md's chats.jsonl (150 ShareGPT conversations). Real IMDB reviews."""
     if doc.name == "configuration.md":
         df = reviews(60)
         pd.DataFrame({"text": df["text"].str[:300], "sentiment": [("neg", "mixed", "pos")[i % 3] for i in
                                                                     range(len(df))]}).to_csv(folder / "reviews.csv",
                                                                                              index=False)
+    if doc.name == "export.md":  # `predict --file reviews.csv --text-column review`
+        pd.DataFrame({"review": reviews(12)["text"].str[:300]}).to_csv(folder / "reviews.csv", index=False)
     if doc.name == "chat.md":
         df = reviews(150)
         rows = [{"conversations": [{"from": "human", "value": t[:200] + "\n\nPositive or negative?"},
@@ -127,7 +129,7 @@ def test_every_marker_reads_and_every_block_is_run_or_skipped_with_its_reason():
                         counts["commands run"] += 1
                 counts["commands compared with their output"] += sum(1 for c in commands(b) if c.expected.strip())
         elif b.lang == "yaml":
-            counts["yaml blocks " + ("compared with pipeline.yaml" if b.marker.excerpt else "loaded and planned")] += 1
+            counts["yaml blocks " + ("compared with pipeline.yaml" if b.marker.excerpt is not None else "loaded and planned")] += 1
         elif b.marker.output_of:
             counts["output blocks compared with what their command prints"] += 1
         elif b.marker.skip:
