@@ -100,6 +100,8 @@ def parse_marker(lines: list[tuple[int, str]], doc: Path) -> Marker:
             m.excerpt = args[2] if len(args) == 3 else ""
         elif verb == "output" and args[:1] == ["of"] and len(args) == 2:
             m.output_of = args[1]
+        elif verb == "not" and args[:1] == ["settings"]:
+            pass  # for the names check, read from the whole doc (NOT_SETTINGS_MARKER)
         else:
             raise MarkerError(f"{where}: unknown test marker {body!r}: skip — REASON, skip 'CMD' — REASON, "
                               "replace 'OLD' 'NEW', file NAME, excerpt of pipeline.yaml [PLACE], output of 'CMD'")
@@ -264,6 +266,8 @@ def yaml_problems(block: Block, folder: Path, project_file: Path) -> list[str]:
     from stages.graph import GRAPH
 
     doc = yaml.safe_load(block.text)
+    if block.marker.excerpt is None and "pipelines" not in doc and "defaults" not in doc:
+        return sweep_problems(block, doc, project_file)
     if block.marker.excerpt is not None:
         whole = yaml.safe_load(project_file.read_text())
         for key in filter(None, block.marker.excerpt.split(".")):
@@ -290,6 +294,23 @@ def yaml_problems(block: Block, folder: Path, project_file: Path) -> list[str]:
     return out
 
 
+def sweep_problems(block: Block, doc: dict, project_file: Path) -> list[str]:
+    """A block of sweeps alone: each validated as a sweep of pipeline.yaml (its base pipeline, and every variant's
+    config loaded and checked as a run's)."""
+    from flows.reports.variants import expand
+    from stages.engine.config import load_doc, validate_sweep
+    from stages.engine.errors import FinetuneError
+
+    project = load_doc(project_file)
+    out = []
+    for name, body in (doc.get("sweeps") or {}).items():
+        try:
+            expand(validate_sweep(name, body, f"sweeps.{name}", project), project_file)
+        except FinetuneError as e:
+            out.append(f"{block.where}: sweep {name}: {e}")
+    return out
+
+
 # ------------------------------------------------------------------ names a doc mentions
 
 PATH = re.compile(r"(?<![\w/.-])((?:tests|bench)/[\w/.-]*\w)(?:::(\w+))?")
@@ -310,7 +331,7 @@ def missing_paths(text: str, root: Path, where: str) -> list[str]:
     out = []
     for m in PATH.finditer(text):
         path, name = m.group(1), m.group(2)
-        if path.startswith("bench/out/"):  # where a bench writes, not a file of the project
+        if path == "bench/out" or path.startswith("bench/out/"):  # where a bench writes, not a file of the project
             continue
         line = text.count("\n", 0, m.start()) + 1
         target = root / path
@@ -322,11 +343,16 @@ def missing_paths(text: str, root: Path, where: str) -> list[str]:
     return out
 
 
+NOT_SETTINGS_MARKER = re.compile(r"<!--\s*test:\s*not settings\s+(.*?)\s*-->")
+
+
 def unknown_settings(text: str, known: set[str], where: str) -> list[str]:
-    """Every setting name (section.field...) the text names that the schema does not have, with the nearest."""
+    """Every setting name (section.field...) the text names that the schema does not have, with the nearest;
+    names a `<!-- test: not settings 'NAME' ... -->` in the text lists are not settings (MLflow's metric names)."""
     import difflib
 
     out = []
+    known = known | {n for m in NOT_SETTINGS_MARKER.finditer(text) for n in shlex.split(REASON.sub("", m.group(1)))}
     text = code_spans(text)
     for m in SETTING.finditer(text):
         name = m.group(1)
