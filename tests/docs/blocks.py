@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,18 +179,38 @@ def squeeze(text: str) -> str:
     return " ".join(text.split())
 
 
+def shows(expected: str, output: str) -> bool:
+    """The output holds what the doc shows, whitespace aside; `...` or `…` in the doc stand for any text."""
+    pattern = ".*?".join(re.escape(part) for part in re.split(r"\.\.\.|…", squeeze(expected)))
+    return re.search(pattern, squeeze(output)) is not None
+
+
+# `CMD` prints `error: ...` in a doc's prose (a line wrapped anywhere)
+INLINE = re.compile(r"`((?:finetune|python) [^`]+)`\s+prints\s+`(error: [^`]+)`")
+
+
+def inline_errors(text: str) -> list[Command]:
+    """The error lines a doc's prose says a command prints, as commands with their expected output."""
+    return [Command(squeeze(m.group(1)), m.group(2)) for m in INLINE.finditer(text)]
+
+
 def run_commands(cmds: list[Command], cwd: Path, env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
     """Each command in one bash (exports carry over), as a user types them: (exit code, output) of each; a
     path in the folder (or a folder under it) printed as its file name, as a doc shows it."""
     script = ["exec 2>&1"]
+    start = time.time()
     for c in cmds:
-        script += [c.text, f'echo "{DONE}$?"']
+        script += [c.text, f'echo "{DONE}$? $(date +%s.%N)"']
     res = subprocess.run(["bash", "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=timeout, stdin=subprocess.DEVNULL)
     folders = "|".join(re.escape(str(f)) for f in {cwd, cwd.resolve()})
     out = re.sub(rf"(?:{folders})(/[\w.-]+)*/", "", res.stdout)
-    parts = re.split(rf"{re.escape(DONE)}(\d+)\n", out)
-    results = [(int(parts[k + 1]), parts[k]) for k in range(0, len(parts) - 1, 2)]
+    parts = re.split(rf"{re.escape(DONE)}(\d+) ([\d.]+)\n", out)
+    results = [(int(parts[k + 1]), parts[k]) for k in range(0, len(parts) - 1, 3)]
+    if os.environ.get("DOC_BLOCKS_TIMES"):  # seconds per command, to size the suite
+        ends = [start, *(float(parts[k + 2]) for k in range(0, len(parts) - 1, 3))]
+        for c, a, b in zip(cmds, ends, ends[1:], strict=False):
+            print(f"{b - a:6.1f}s  {c.text.splitlines()[0][:100]}")
     if len(results) < len(cmds):  # bash itself ended early (`exit`, a syntax error)
         results.append((res.returncode, parts[-1]))
     return results
@@ -203,7 +224,7 @@ def problem(cmd: Command, rc: int, output: str) -> str | None:
     if "Traceback (most recent call last)" in output:
         return f"`{cmd.text}` printed a traceback:\n{short}"
     if cmd.expected.strip():
-        if squeeze(cmd.expected) not in squeeze(output):
+        if not shows(cmd.expected, output):
             return f"`{cmd.text}` printed\n{short}\nnot what the doc shows:\n{cmd.expected.strip()}"
         return None
     if rc not in (0, 1) or (rc == 1 and re.search(r"(?m)^(error|Error|\S+Error):", output)):

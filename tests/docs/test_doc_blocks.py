@@ -19,8 +19,21 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from blocks import (Block, MarkerError, blocks, commands, missing_paths, output_problem, problem, run_block,
-                    skip_reason, unknown_settings, yaml_problems)
+from blocks import (
+    Block,
+    MarkerError,
+    blocks,
+    commands,
+    inline_errors,
+    missing_paths,
+    output_problem,
+    problem,
+    run_block,
+    run_commands,
+    skip_reason,
+    unknown_settings,
+    yaml_problems,
+)
 from helpers import ROOT, SHARED_DATA, needs_shared_data
 
 from stages.engine import reference
@@ -29,21 +42,20 @@ from stages.engine.schema import PipelineConfig
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HISTORY = ROOT / "docs" / "changes.md"  # what earlier releases named: old settings and paths, by design
 LINKED = (".venv", "stages", "flows", "bench", "tests", "pipeline.yaml", "pyproject.toml", "Makefile", "setup.py")
-COUNTS: Counter = Counter()
 
 
 def all_blocks() -> list[Block]:
     return [b for doc in DOCS for b in blocks(doc)]
 
 
-def by_doc(kind: str) -> list[pytest.param]:
+def by_doc(kind: str) -> list:
     """One test per doc that has blocks of this kind (its blocks run in order: a later one may read an earlier's
     files or store)."""
     out = []
     for doc in DOCS:
         bs = [b for b in blocks(doc) if kind == "shell" and (b.shell or b.marker.output_of)
               or kind == "yaml" and b.lang == "yaml"]
-        if bs:
+        if bs or kind == "shell" and inline_errors(doc.read_text()):
             out.append(pytest.param(doc, id=str(doc.relative_to(ROOT))))
     return out
 
@@ -167,6 +179,11 @@ def test_the_shell_blocks_run_as_the_doc_says(doc, scratch):
             if p := output_problem(b, folder, scratch["env"]):
                 problems.append(p)
             ran += 1
+    if inline := inline_errors(doc.read_text()):
+        for c, (rc, out) in zip(inline, run_commands(inline, folder, scratch["env"], 300), strict=True):
+            if p := problem(c, rc, out):
+                problems.append(f"{doc.name}: {p}")
+        ran += len(inline)
     print(f"{doc.name}: {ran} commands run, {skipped} skipped by their marker")
     assert not problems, "\n\n".join(problems)
 
@@ -252,3 +269,17 @@ def test_a_command_that_fails_or_prints_another_line_than_the_doc_fails_the_bloc
     problems, ran, _ = run_block(console, tmp_path, dict(os.environ))
     assert ran == 2 and len(problems) == 1 and "`echo error: another line` printed" in problems[0]
     assert problem(commands(bash)[0], 1, "Traceback (most recent call last):\n  boom") is not None
+
+
+def test_a_yaml_block_the_loader_refuses_or_that_is_not_pipeline_yaml_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_STORE", str(tmp_path / "store"))
+    text = ("<!-- test: file mine.yaml -->\n```yaml\npipelines:\n  mine: {extends: tiny-imdb, train: {lr: 2}}\n```\n\n"
+            "<!-- test: excerpt of pipeline.yaml pipelines.tiny-imdb -->\n```yaml\ntrain: {lr: 1.0e-3, epochs: 3}\n```\n"
+            "\n```yaml\nsweeps:\n  s: {pipeline: tiny-imdb, grid: {train.lrr: [1, 2]}}\n```\n")
+    own, excerpt, sweep = blocks(Path("doc.md"), text)
+    [p] = yaml_problems(own, tmp_path, ROOT / "pipeline.yaml")
+    assert p.startswith("doc.md:2: mine.yaml: ") and "train.lr" in p
+    assert yaml_problems(excerpt, tmp_path, ROOT / "pipeline.yaml") == [
+        "doc.md:8: pipeline.yaml pipelines.tiny-imdb: train.epochs: not in the file"]
+    [p] = yaml_problems(sweep, tmp_path, ROOT / "pipeline.yaml")
+    assert p.startswith("doc.md:12: sweep s: ") and "lrr" in p
