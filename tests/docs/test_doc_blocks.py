@@ -147,6 +147,8 @@ def test_every_marker_reads_and_every_block_is_run_or_skipped_with_its_reason():
         elif b.marker.skip:
             counts["output blocks not compared"] += 1
             reasons[b.marker.skip] += 1
+    counts["error lines in prose compared (`CMD` prints `error: ...`)"] = sum(len(inline_errors(d.read_text()))
+                                                                             for d in DOCS)
     print("\n" + "\n".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     print("skipped, by reason:\n" + "\n".join(f"  {n} x {r}" for r, n in reasons.most_common()))
     assert counts["shell blocks run"] and counts["yaml blocks loaded and planned"]
