@@ -53,8 +53,8 @@ def by_doc(kind: str) -> list:
     files or store)."""
     out = []
     for doc in DOCS:
-        bs = [b for b in blocks(doc) if kind == "shell" and (b.shell or b.marker.output_of)
-              or kind == "yaml" and b.lang == "yaml"]
+        bs = [b for b in blocks(doc) if not b.marker.skip and (kind == "shell" and (b.shell or b.marker.output_of)
+                                                             or kind == "yaml" and b.lang == "yaml")]
         if bs or kind == "shell" and inline_errors(doc.read_text()):
             out.append(pytest.param(doc, id=str(doc.relative_to(ROOT))))
     return out
