@@ -12,6 +12,7 @@ A marker is an HTML comment (invisible on GitHub) on the lines right above a fen
     <!-- test: excerpt of pipeline.yaml PLACE --> a YAML block is part of pipeline.yaml (at the dotted PLACE:
                                                   pipelines.smol-chat), value for value
     <!-- test: output of 'CMD' -->                an untagged block is what CMD prints (error lines compared)
+    <!-- test: not settings 'NAME' — WHY -->      anywhere in a doc: dotted names that are not settings
 """
 
 from __future__ import annotations
