@@ -68,6 +68,7 @@ SLOW = {
         "test_editing_code_no_stage_reaches_changes_no_key",
         "test_every_function_and_value_a_stage_runs_is_in_its_key",
     ),
+    "tests/docs/test_doc_blocks.py": ("test_the_shell_blocks_run_as_the_doc_says",),  # README's: 50 s
     "tests/engine/test_retrain_digest.py": (  # two processes per model kind
         "test_a_forced_retrain_in_another_process_and_store_folder_leaves_evaluate_and_export_cached",
     ),
@@ -183,7 +184,7 @@ SLOW = {
 # not named keeps its place.
 LONGEST_FIRST = ("tests/flows/test_flow.py", "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
                  "tests/flows/test_two_machines.py", "tests/stages/test_export_standalone.py",
-                 "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py",
+                 "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py", "tests/docs/test_doc_blocks.py",
                  "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
 
 

@@ -45,4 +45,5 @@ def test_the_layout_map_is_the_tree():
 
 
 def test_the_readme_fits_on_a_few_screens():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 200  # the rest lives in docs/
+    shown = [ln for ln in (ROOT / "README.md").read_text().splitlines() if not ln.startswith("<!-- test:")]
+    assert len(shown) <= 200  # the rest lives in docs/; a test marker (tests/docs/blocks.py) is not shown
