@@ -2,8 +2,9 @@
 folder path alone (`AutoTokenizer.from_pretrained(folder)` and an Auto class), and a model card.
 
 At the top of the folder, one Hugging Face model (export.layout picks it for LoRA; see the schema):
-    merged   config.json (id2label / label2id) + model.safetensors + generation_config.json: the base (dequantized
-             when 4/8-bit) with the LoRA merged in, in export.merged_dtype; load with AutoModelFor...
+    merged   config.json (id2label / label2id) + model.safetensors (+ generation_config.json for a generating
+             model): the base (dequantized when 4/8-bit) with the LoRA merged in, in export.merged_dtype; load
+             with AutoModelFor...
              adapter/ beside it: the PEFT adapter alone (its base_model_name_or_path is the pipeline's model.name)
     adapter  adapter_config.json + adapter_model.safetensors (modules_to_save included): base_model_name_or_path
              is the hub id and `revision` the commit sha the run pinned; load with AutoPeftModelFor...

