@@ -86,7 +86,7 @@ def cli() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = cli().parse_args()
-    require("onnx", "onnxruntime")
+    require("onnxruntime", "onnx")
     if args.smoke:
         args.n, args.repeats, args.threads = 8, 1, "1"
 

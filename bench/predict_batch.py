@@ -30,7 +30,7 @@ def main() -> int:
     ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=200)
     args = ap.parse_args()
-    require("onnx", "onnxruntime")
+    require("onnxruntime", "onnx")
     if args.smoke:
         args.n = 8
 

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
-    require("onnx", "onnxruntime")
+    require("onnxruntime", "onnx")
     if args.smoke:
         args.n, args.new, args.repeats = 4, 4, 1
 

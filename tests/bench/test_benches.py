@@ -169,7 +169,7 @@ def test_predict_batch_smoke(tmp_path):
 
 
 @needs_shared_data
-def test_predict_generation_smoke_and_a_crashing_llama_cpp_row(tmp_path):
+def test_predict_generation_smoke(tmp_path):
     """Then again (the export cached) with llama.cpp killed by SIGILL on loading the q8_0 file, what its AMX kernels
     do on a VM that advertises AMX (tests/stages/test_export_gguf.py): that row says so, the others are measured."""
     paths = ["predict (torch), one at a time", "predict (torch), batched", "--runtime gguf (f16, llama.cpp)",
@@ -266,8 +266,9 @@ def test_upstream_check_smoke(tmp_path):
 
 
 HELP = """
-import runpy, sys
+import os, runpy, sys
 sys.argv = [sys.argv[1], "--help"]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as `python bench/X.py` has it
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit as e:
@@ -307,4 +308,4 @@ def test_a_missing_optional_dependency_is_one_line_naming_its_extra(tmp_path, na
 def test_every_bench_has_a_smoke_test():
     missing = [b for b in BENCHES if f"test_{Path(b).stem}_smoke" not in globals()]
     assert not missing, f"benches without a smoke test in {Path(__file__).name}: {', '.join(missing)}"
-    assert len(BENCHES) >= 21
+    assert len(BENCHES) >= 20  # the glob found them
