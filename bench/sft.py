@@ -14,7 +14,7 @@ conversational prompt / completion format with completion_only_loss, since SmolL
        shape, length-grouped), TRL packed (packing=True: best-fit decreasing, padding-free with position ids),
        ours packed (tokenize.packing: best-fit decreasing, micro-batch 2 x 4 of max_length sequences)
 
-    pip install --no-deps 'trl==1.16.0'      # the bench extra: pip install .[bench] (its other needs are installed)
+    pip install -e '.[bench]'                # TRL (the dev extra has it too)
     .venv/bin/python bench/sft.py --rows 48 --runs 2
     .venv/bin/python bench/sft.py --quick    # 16 rows, 1 run
     .venv/bin/python bench/sft.py --smoke    # a tiny random llama (SmolLM2's tokenizer), 8 rows, 1 run: seconds
