@@ -93,6 +93,7 @@ def main() -> int:
     from stages.common.exported import load_export, predict
     from stages.common.gguf_export import RuntimeCrash
     from stages.engine.config import load_pipeline
+    from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.graph import GRAPH
@@ -102,7 +103,11 @@ def main() -> int:
     f = pipeline_file(out, chats, args.smoke)
     t0 = time.perf_counter()
     store = open_store()
-    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("bench-titles", [], path=f), store), store)}
+    try:
+        outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("bench-titles", [], path=f), store), store)}
+    except FinetuneError as e:  # e.g. llama.cpp dying in the export's own check of a GGUF file: nothing to time
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     folder = outcomes["export"].path
     print(f"load average {os.getloadavg()[0]:.2f}; export {folder} "
           f"({'computed' if outcomes['export'].computed else 'cached'}, {time.perf_counter() - t0:.0f} s)", flush=True)
