@@ -22,6 +22,24 @@ TRL = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
 
 Table = tuple[list[str], list[list[str]]]
 
+# The installed llama_cpp, except that loading the file named by $CRASH_ON kills the process with $CRASH_SIGNAL
+# (as tests/stages/test_export_gguf.py has it): what llama.cpp's AMX kernels do on a VM that advertises AMX.
+FAULTY_LLAMA_CPP = """
+import os, signal, sys
+_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules[__name__]
+import llama_cpp as _real
+
+class Llama(_real.Llama):
+    def __init__(self, model_path, **kw):
+        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
+            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
+        super().__init__(model_path=model_path, **kw)
+
+_real.Llama = Llama
+"""
+
 
 def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
           timeout: int = 540) -> subprocess.CompletedProcess:
@@ -176,8 +194,6 @@ def test_predict_generation_smoke(tmp_path):
              "--runtime gguf-q8_0 (llama.cpp)"]
     t = table(smoke("predict_generation.py", tmp_path), "threads")
     assert [r[1] for r in t[1]] == paths and column(t, "best s")[3] != "failed"
-
-    from test_export_gguf import FAULTY_LLAMA_CPP
 
     (tmp_path / "faulty" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "faulty" / "llama_cpp" / "__init__.py").write_text(FAULTY_LLAMA_CPP)
