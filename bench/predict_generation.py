@@ -145,7 +145,7 @@ def main() -> int:
                     answers[name] = predict(ex, [], batch, gen, conversations=asked)
                 except RuntimeCrash as e:
                     failed[name] = str(e)
-                    print(f"  {threads} thread(s) {name}: failed, {e}", flush=True)
+                    print(f"  {threads} thread(s) {name}: failed, {e}", file=sys.stderr, flush=True)
                     continue
                 times[name].append(time.perf_counter() - t)
         base = answers[reference]
