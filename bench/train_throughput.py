@@ -32,7 +32,7 @@ count the time spent waiting for a core.
 
     .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~12 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
-    .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, fp32 and bf16, ~8 min
+    .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, fp32 and bf16, ~10 min
     .venv/bin/python bench/train_throughput.py --variants c --precisions fp32,bf16 --runs 3 --subset 32
     .venv/bin/python bench/train_throughput.py --smoke   # a tiny BERT from its config, 32 reviews, 1 run: seconds
     bash bench/gpu.sh                                          # on a GPU machine (see that script)
