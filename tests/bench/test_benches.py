@@ -49,9 +49,16 @@ def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] 
                           text=True, timeout=timeout)
 
 
-def smoke(name: str, tmp_path: Path, *args: str) -> str:
-    """The bench's --smoke run on a fresh store: its stdout, after checking it ended well."""
-    p = bench(name, "--smoke", *args, store=tmp_path / "store")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    """One store for the smokes that run tiny-imdb on the same settings (their first stages computed once: the
+    file's tests run in one process, in order)."""
+    return tmp_path_factory.mktemp("bench-smokes") / "store"
+
+
+def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None) -> str:
+    """The bench's --smoke run on a fresh store (or `store`): its stdout, after checking it ended well."""
+    p = bench(name, "--smoke", *args, store=store or tmp_path / "store")
     assert p.returncode == 0, f"{name} --smoke: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     return p.stdout
@@ -106,8 +113,8 @@ def labels(t: Table) -> list[str]:
 @needs_shared_data
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_cached_rerun_smoke(tmp_path):  # three flows.finetune/Prefect processes, each with its temporary server
-    out = smoke("cached_rerun.py", tmp_path)
+def test_cached_rerun_smoke(tmp_path, shared):  # three flows.finetune/Prefect processes, each with its temporary server
+    out = smoke("cached_rerun.py", tmp_path, store=shared)
     t = table(out, "run (tiny-imdb")
     assert labels(t) == ["cached pipeline run", "7-task no-op flow"]
     assert number(column(t, "vs no-op")[1]) == 1.0 and number(column(t, "vs no-op")[0]) > 0
@@ -123,7 +130,8 @@ def test_faults_smoke(tmp_path):  # five `python -m stages` processes
     assert r["traceback"] == "no" and r["verify"] == "ok" and r["rerun"].startswith("0: computed")
 
 
-def test_gguf_load_smoke(tmp_path):
+@pytest.mark.slow
+def test_gguf_load_smoke(tmp_path):  # ~30 CPU-s: transformers reads a 49k-token GGUF tokenizer
     t = table(smoke("gguf_load.py", tmp_path), "part")
     assert labels(t) == ["config", "tokenizer", "model"]
     assert all(number(c) >= 0 for r in t[1] for c in r[1:])
@@ -169,8 +177,9 @@ def test_precision_imdb90_smoke(tmp_path):
 
 
 @needs_shared_data
-def test_predict_smoke(tmp_path):
-    out = smoke("predict.py", tmp_path)
+@pytest.mark.slow
+def test_predict_smoke(tmp_path, shared):  # ~20 CPU-s: three fresh processes time the start-up
+    out = smoke("predict.py", tmp_path, store=shared)
     t = table(out, "threads")
     assert [r[1] for r in t[1]] == ["pipeline() defaults", "pipeline(batch_size=8)", "finetune predict (torch)",
                                     "ONNX fp32 (--runtime onnx)", "ONNX int8 (--runtime onnx-int8)"]
@@ -179,15 +188,16 @@ def test_predict_smoke(tmp_path):
 
 
 @needs_shared_data
-def test_predict_batch_smoke(tmp_path):
-    out = smoke("predict_batch.py", tmp_path)
+def test_predict_batch_smoke(tmp_path, shared):
+    out = smoke("predict_batch.py", tmp_path, store=shared)
     t = table(out, "threads")
     assert labels(t) == ["1", "2"] and all(number(c) > 0 for r in t[1] for c in r[1:6])
     assert "profile of one pass" in out
 
 
 @needs_shared_data
-def test_predict_generation_smoke(tmp_path):
+@pytest.mark.slow
+def test_predict_generation_smoke(tmp_path):  # ~30 CPU-s: a GGUF export, then the bench twice
     """Then again (the export cached) with llama.cpp killed by SIGILL on loading the q8_0 file, what its AMX kernels
     do on a VM that advertises AMX (tests/stages/test_export_gguf.py): that row says so, the others are measured."""
     paths = ["predict (torch), one at a time", "predict (torch), batched", "--runtime gguf (f16, llama.cpp)",
@@ -223,7 +233,8 @@ def test_reproduce_accumulation_smoke(tmp_path):  # a Prefect sweep of three chi
 
 
 @needs_shared_data
-def test_run_overhead_smoke(tmp_path):
+@pytest.mark.slow
+def test_run_overhead_smoke(tmp_path):  # ~25 CPU-s: two processes that import torch, transformers, datasets, peft
     t = table(smoke("run_overhead.py", tmp_path), "")
     assert t[0][1:] == ["before", "now", "saved"] and len(t[1]) == 3
 
@@ -239,7 +250,8 @@ def test_scale_out_smoke(tmp_path):  # a Prefect server, moto's S3 server and tw
 
 @TRL
 @needs_shared_data
-def test_sft_smoke(tmp_path):
+@pytest.mark.slow
+def test_sft_smoke(tmp_path):  # ~30 CPU-s: TRL's trainer built four times
     out = smoke("sft.py", tmp_path)
     assert re.search(r"tokenization: \d+ of \d+ rows differ", out) and "first-step loss" in out
     t = table(out, "variant")
@@ -258,8 +270,8 @@ def test_suite_census_smoke(tmp_path):
 
 @needs_shared_data
 @pytest.mark.slow
-def test_tracking_overhead_smoke(tmp_path):  # an MLflow server and three `python -m stages` processes
-    t = table(smoke("tracking_overhead.py", tmp_path), "tracking")
+def test_tracking_overhead_smoke(tmp_path, shared):  # an MLflow server and three `python -m stages` processes
+    t = table(smoke("tracking_overhead.py", tmp_path, store=shared), "tracking")
     assert labels(t) == ["off", "on", "on / off"]
 
 
@@ -274,8 +286,8 @@ def test_train_throughput_smoke(tmp_path):
 
 
 @needs_shared_data
-def test_upstream_check_smoke(tmp_path):
-    t = table(smoke("upstream_check.py", tmp_path), "stage")
+def test_upstream_check_smoke(tmp_path, shared):
+    t = table(smoke("upstream_check.py", tmp_path, store=shared), "stage")
     assert set(labels(t)) >= {"tokenize", "train", "evaluate", "export"}
 
 
