@@ -11,11 +11,11 @@ the heavy libraries it imported and the Prefect API requests it made by kind.
     .venv/bin/python bench/cached_rerun.py                       # the demo (computes it first if not stored)
     .venv/bin/python bench/cached_rerun.py --runs 5 --profile
     .venv/bin/python bench/cached_rerun.py --set data.subset='{train: 256, validation: 32, test: 256}'
+    .venv/bin/python bench/cached_rerun.py --smoke     # tiny-imdb on 32 reviews, 1 run of each (~1 min)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -24,6 +24,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchlib import header, parser, row  # noqa: E402
+
+SMOKE = ["data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2"]
 
 NOOP_FLOW = r"""
 import flows.orchestration  # the project's Prefect defaults, as flows.finetune has them
@@ -85,12 +89,14 @@ def timed(cmd: list[str]) -> tuple[float, str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("pipeline", nargs="?", default="demo")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="an override, as flows.finetune takes")
     ap.add_argument("--runs", type=int, default=3, help="runs of each (the table shows medians)")
     ap.add_argument("--profile", action="store_true", help="also show one cached run's imports and API requests")
     args = ap.parse_args()
+    if args.smoke:
+        args.pipeline, args.sets, args.runs = "tiny-imdb", SMOKE, 1
     finetune = ["-m", "flows.finetune", args.pipeline, *(x for s in args.sets for x in ("--set", s))]
 
     first, out = timed([sys.executable, *finetune])  # fills the store if needed; untimed in the table
@@ -105,11 +111,10 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     floor = med["7-task no-op flow"]
     print()
-    print(f"| run ({args.pipeline}{' ' + ' '.join(args.sets) if args.sets else ''}) | wall s (median of "
-          f"{args.runs}) | runs | vs no-op |")
-    print("|---|---:|---|---:|")
+    header([f"run ({args.pipeline}{' ' + ' '.join(args.sets) if args.sets else ''})",
+            f"wall s (median of {args.runs})", "runs", "vs no-op"], "-:-:")
     for k, v in results.items():
-        print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} | {med[k] / floor:.2f}x |")
+        row([k, f"{med[k]:.1f}", ", ".join(f"{x:.1f}" for x in v), f"{med[k] / floor:.2f}x"])
     if args.profile:
         _, out = timed([sys.executable, "-c", PROFILE, *finetune[2:]])
         print()

@@ -6,6 +6,7 @@ never one before), and `finetune inspect verify` over the result.
 
     .venv/bin/python bench/faults.py                      # tiny-imdb on 2,000 reviews; about 10 minutes
     .venv/bin/python bench/faults.py --signals SIGTERM --stages train --disk-full no
+    .venv/bin/python bench/faults.py --smoke              # that on 32 reviews and 2 steps (5 processes)
 
 A stop lands at a random point between the line of the stage before and the stage's own expected end (measured
 by a first run), so over repeated runs it falls in imports, the body and the commit alike.
@@ -13,7 +14,6 @@ by a first run), so over repeated runs it falls in imports, the body and the com
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import random
@@ -28,8 +28,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchlib import parser  # noqa: E402
+
 STAGES = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
 SETS = ["data.subset={train: 2000, validation: 200, test: 400}", "train.epochs=1"]
+SMOKE_SETS = ["data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2"]
 LINE = re.compile(r"^\s+(\w+)\s+(computed|cached)\b", re.M)
 
 
@@ -133,13 +137,16 @@ def probe(pipeline: str, stage: str, how: str, template: Path, scratch: Path, wi
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    global SETS
+    p = parser(__doc__)
     p.add_argument("--pipeline", default="tiny-imdb")
     p.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     p.add_argument("--signals", nargs="+", default=["SIGINT", "SIGTERM", "SIGKILL"])
     p.add_argument("--disk-full", choices=["yes", "no", "auto"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.smoke:
+        SETS, args.stages, args.signals, args.disk_full = SMOKE_SETS, ["train"], ["SIGTERM"], "no"
     random.seed(args.seed)
     disk_full = args.disk_full == "yes" or (args.disk_full == "auto" and os.geteuid() == 0)
     print(f"load average {os.getloadavg()[0]:.2f}; pipeline {args.pipeline} with {'; '.join(SETS)}")

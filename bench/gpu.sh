@@ -8,9 +8,15 @@
 #                               # --random-init there; throughput does not depend on weight values)
 #   bash bench/gpu.sh           # there, from the repository root, with .gpu/ carried along;
 #                               # tables and JSON go to $OUT (or bench/out/gpu)
+#   bash bench/gpu.sh --help    # this text (the test suite runs only this: the bench needs a GPU machine;
+#                               # its work is bench/train_throughput.py, whose --smoke the suite runs)
 #
 # Estimated 4-6 minutes on one H200 (MiniLM and BLOOM-560m, 3 runs each over all 512 reviews); not yet run on a GPU.
 set -euo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 cd "$(dirname "$0")/.."
 KIT=.gpu
 

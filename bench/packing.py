@@ -18,6 +18,7 @@ carries the load average (1 min) at its start and end: on a shared machine, read
 
     .venv/bin/python bench/packing.py --threads 1              # 64 reviews, 2 runs (~10 min a run on a CPU core)
     .venv/bin/python bench/packing.py --rows 24 --runs 1       # a quick look
+    .venv/bin/python bench/packing.py --smoke                  # a tiny random llama, 8 rows, 1 run: seconds
 
 Measured (48 reviews, 2 runs, 1 torch thread on a shared 2-core CPU, load average 0.9 to 3.0): packed 1.10x and
 1.13x the length-grouped unpacked tokens/s (1.10x, 1.11x per CPU-second), padding 0.7% vs 5.1% (random order:
@@ -47,6 +48,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from benchlib import parser  # noqa: E402
+
+
+def cli() -> argparse.ArgumentParser:
+    ap = parser(__doc__)
+    ap.add_argument("--rows", type=int, default=64, help="IMDB reviews (alpaca chat rows)")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return ap
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help and a bad flag answered before the heavy imports below
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
@@ -59,6 +73,9 @@ DATA = ROOT.parent / "shared" / "data" / "imdb" / "train.csv.gz"
 MAX_LENGTH = 512
 INSTRUCTION = "Is this movie review positive or negative? Answer with one word."
 LABELS = {0: "negative", 1: "positive"}
+# the smokes' model: a tiny random llama with SmolLM2's tokenizer (what tests/stages/test_export_gguf.py trains)
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152}
 
 
 def chat_rows(tok: Any, n: int, max_length: int = MAX_LENGTH, seed: int = 0, data: Path = DATA) -> list[dict]:
@@ -80,18 +97,23 @@ def packed_rows(rows: list[dict], max_length: int = MAX_LENGTH) -> tuple[list[di
     return seqs, p.stats(max_length)
 
 
-def smollm2_lora(r: int = 8) -> tuple[Any, Callable[[], torch.nn.Module]]:
-    """SmolLM2-135M-Instruct's tokenizer and a factory of identical fresh LoRA models (fp32, same weights)."""
+def smollm2_lora(r: int = 8, tiny: bool = False) -> tuple[Any, Callable[[], torch.nn.Module]]:
+    """SmolLM2-135M-Instruct's tokenizer and a factory of identical fresh LoRA models (fp32, same weights);
+    `tiny`: the model is a tiny random llama (TINY_LLAMA) with that tokenizer."""
     import peft
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from stages.common.hf import load_tokenizer, split_gguf
     from stages.engine.schema import PipelineConfig
 
     cfg = PipelineConfig.model_validate({"name": "bench", "model": {"name": SMOLLM2, "task": "causal_lm"}})
     tok = load_tokenizer(cfg)
-    folder, kw, _ = split_gguf(SMOLLM2, None)
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
+    if tiny:
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA), dtype=torch.float32)
+    else:
+        folder, kw, _ = split_gguf(SMOLLM2, None)
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw)
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -167,23 +189,22 @@ def table(results: list[dict[str, Any]], base: str = "unpacked, length-grouped")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=64, help="IMDB reviews (alpaca chat rows)")
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args()
+    args = cli().parse_args()
+    if args.smoke:
+        args.rows, args.runs = 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     from stages.common.model_loading import quiet_transformers
 
     quiet_transformers()
     t0 = time.perf_counter()
-    tok, make = smollm2_lora()
+    tok, make = smollm2_lora(tiny=args.smoke)
     rows = chat_rows(tok, args.rows)
     _, stats = packed_rows(rows)
     lengths = sorted(len(r["input_ids"]) for r in rows)
     print(f"{len(rows)} rows, tokens min {lengths[0]} median {lengths[len(lengths) // 2]} max {lengths[-1]}; "
-          f"packed: {stats}; torch threads {torch.get_num_threads()}; setup {time.perf_counter() - t0:.0f} s")
+          f"packed: {stats}; torch threads {torch.get_num_threads()}; setup {time.perf_counter() - t0:.0f} s; model "
+          f"{'a tiny random llama' if args.smoke else 'SmolLM2-135M-Instruct'}", flush=True)
     print(table(compare(make, rows, tok.pad_token_id, args.runs)))
 
 

@@ -11,6 +11,7 @@
 Each row checks that both paths give identical results and prints the speedup:
 
     nice -n 19 .venv/bin/python bench/parallel_cpu.py [--jobs N] [--work DIR] [--repeat K]
+    .venv/bin/python bench/parallel_cpu.py --smoke   # 5 bills, 400 reviews, 2 workers, once, a temporary --work
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,20 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import header, parser, row  # noqa: E402
+
+
+def cli() -> argparse.ArgumentParser:
+    p = parser(__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=None, help="parallel workers (default: the available cores)")
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / ".bench" / "parallel_cpu",
+                   help="where the built tarball and its extracted folder are kept between runs")
+    p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is shown")
+    return p
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help and a bad flag answered before the heavy imports below
 
 from stages.common import aclimdb, metrics  # noqa: E402
 from stages.engine.fingerprint import HashMemo, sha256_many  # noqa: E402
@@ -37,8 +53,9 @@ from stages.engine.parallel import available_cores, n_jobs  # noqa: E402
 MIRROR = ROOT.parent / "shared" / "data"
 
 
-def build_tarball(out: Path) -> Path:
-    """aclImdb_v1.tar.gz (train/test x pos/neg, the original file names) from the mirror's 50k reviews."""
+def build_tarball(out: Path, reviews: int | None = None) -> Path:
+    """aclImdb_v1.tar.gz (train/test x pos/neg, the original file names) from the mirror's 50k reviews (`reviews`:
+    a seeded sample of them)."""
     import pandas as pd
 
     path = out / "aclImdb_v1.tar.gz"
@@ -46,6 +63,8 @@ def build_tarball(out: Path) -> Path:
         return path
     out.mkdir(parents=True, exist_ok=True)
     index = pd.read_csv(MIRROR / "imdb" / "imdb_file_index.csv.gz")
+    if reviews:
+        index = index.sample(n=reviews, random_state=0)
     texts = {s: pd.read_csv(MIRROR / "imdb" / f"{s}.csv.gz", keep_default_na=False)["text"].tolist()
              for s in ("train", "test")}
     tmp = path.with_suffix(".tmp")
@@ -92,25 +111,25 @@ def same_frames(a: dict, b: dict) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--jobs", type=int, default=None, help="parallel workers (default: the available cores)")
-    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / ".bench" / "parallel_cpu",
-                   help="where the built tarball and its extracted folder are kept between runs")
-    p.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is shown")
-    args = p.parse_args(argv)
+    args = cli().parse_args(argv)
+    bill_count, reviews = 100, None
+    if args.smoke:  # every row on a few items: 5 bills x 20 predictions, 400 reviews
+        args.jobs, args.repeat, bill_count, reviews = 2, 1, 5, 400
+        args.work = Path(tempfile.mkdtemp(prefix="parallel-cpu-smoke-"))
     jobs = n_jobs(args.jobs)
     if jobs < 2:
         print("only one core available: nothing to compare (set --jobs 2)")
         return 1
 
-    bills = [json.loads(ln) for ln in (MIRROR / "billsum" / "billsum_us_train_sample100.jsonl").read_text().splitlines()]
+    bills = [json.loads(ln) for ln in
+             (MIRROR / "billsum" / "billsum_us_train_sample100.jsonl").read_text().splitlines()][:bill_count]
     preds, refs = [], []
     for b in bills:
         words = b["text"].split("SEC. 2.", 1)[-1].split()
         for k in range(20):
             preds.append(" ".join(words[: 20 + 5 * k]))
             refs.append(b["summary"])
-    tarball = build_tarball(args.work)
+    tarball = build_tarball(args.work, reviews)
     folder = extract(tarball, args.work)
     files = sorted(folder.rglob("*.txt"))
 
@@ -125,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
 
     measure("ROUGE-1/2/L/Lsum (evaluate module)", f"{len(preds):,} pairs",
             lambda: metrics.rouge(preds, refs, jobs=1), lambda: metrics.rouge(preds, refs, jobs=jobs))
-    measure("read aclImdb_v1.tar.gz", "50,000 reviews", lambda: aclimdb.read_tarball(tarball, jobs=1),
+    n = f"{reviews or 50_000:,} reviews"
+    measure("read aclImdb_v1.tar.gz", n, lambda: aclimdb.read_tarball(tarball, jobs=1),
             lambda: aclimdb.read_tarball(tarball, jobs=jobs), same_frames)
-    measure("tar members: before issue 15 -> now", "50,000 reviews", lambda: tarball_before(tarball),
+    measure("tar members: before issue 15 -> now", n, lambda: tarball_before(tarball),
             lambda: aclimdb._read_tar_members(tarball, jobs=jobs))
     measure("read aclImdb/ folder", f"{len(files):,} files", lambda: aclimdb.read_folder(folder, jobs=1),
             lambda: aclimdb.read_folder(folder, jobs=jobs), same_frames)
@@ -136,11 +156,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{available_cores()} cores available, {jobs} workers; best of {args.repeat}; load average "
           f"{os.getloadavg()[0]:.1f} at the end\n")
-    print("| work | items | serial | joblib | speedup | identical |")
-    print("|---|---:|---:|---:|---:|---|")
+    header(["work", "items", "serial", "joblib", "speedup", "identical"], "-::::-")
     for task, items, t1, tn, speedup, same in rows:
-        print(f"| {task} | {items} | {t1:.2f} s | {tn:.2f} s | {speedup:.2f}x | {'yes' if same else 'NO'} |")
-    if os.environ.get("BENCH_CLEAN"):
+        row([task, items, f"{t1:.2f} s", f"{tn:.2f} s", f"{speedup:.2f}x", "yes" if same else "NO"])
+    if os.environ.get("BENCH_CLEAN") or args.smoke:
         shutil.rmtree(args.work)
     return 0 if all(r[-1] for r in rows) else 1
 

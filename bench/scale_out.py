@@ -9,6 +9,7 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
                       GET/PUT requests and bytes; lazy fetch: manifests only)
 
     .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N] [--train-rows N]
+    .venv/bin/python bench/scale_out.py --smoke     # --repeat 1 --train-rows 8 (a Prefect server, moto, workers)
 
 Each kind of timing is taken --repeat times (default 3), interleaved (1 worker, 2 workers, 1, 2, ...; then
 cached s3, cached local, ...); the table gives the medians, each timing beside them.
@@ -31,18 +32,33 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from benchlib import parser, require  # noqa: E402
 
+TRAIN_ROWS = 96  # the sweep; --train-rows N gives each variant more training
+
+
+def cli() -> argparse.ArgumentParser:
+    p = parser(__doc__)
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--repeat", type=int, default=3, help="timings of each kind, interleaved (default 3); the table "
+                   "gives their medians")
+    p.add_argument("--train-rows", type=int, default=TRAIN_ROWS, help=f"training rows per variant (default "
+                   f"{TRAIN_ROWS}, the issue's sweep); more rows give each run more work beside the same overheads")
+    return p
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help and a bad flag answered before the heavy imports below
+    require("moto", "s3fs")
+
+import psutil  # noqa: E402
 from cluster import base_env, machines, orchestrator, run  # noqa: E402
 from s3server import moto_server, s3_env  # noqa: E402
 
 from flows.reports.formatting import markdown_table  # noqa: E402
 from stages.engine.units import human_bytes  # noqa: E402
-
-TRAIN_ROWS = 96  # the sweep; --train-rows N gives each variant more training
 
 
 def sweep_command(train_rows: int = TRAIN_ROWS) -> list[str]:
@@ -125,13 +141,9 @@ def moved(folder: Path) -> dict[str, int]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
-    p.add_argument("--repeat", type=int, default=3, help="timings of each kind, interleaved (default 3); the table "
-                   "gives their medians")
-    p.add_argument("--train-rows", type=int, default=TRAIN_ROWS, help=f"training rows per variant (default "
-                   f"{TRAIN_ROWS}, the issue's sweep); more rows give each run more work beside the same overheads")
-    args = p.parse_args()
+    args = cli().parse_args()
+    if args.smoke:
+        args.repeat, args.train_rows = 1, 8
     tmp = args.work or Path(tempfile.mkdtemp(prefix="scale-out-"))
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"load before: {load()}", flush=True)

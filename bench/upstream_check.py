@@ -5,31 +5,47 @@ stage after a commit pays) and warm (the memo filled: a stat per file), against 
 from its manifest.
 
     .venv/bin/python bench/upstream_check.py demo            # after `make demo` (FINETUNE_STORE to change store)
+    .venv/bin/python bench/upstream_check.py --smoke         # tiny-imdb on 32 reviews, run first (a hit if stored)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
-from stages.engine.fingerprint import HashMemo
-from stages.engine.remote_store import open_store
-from stages.engine.units import human_bytes
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchlib import header, parser, row  # noqa: E402
+
+SMOKE = ("tiny-imdb", ["data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2"])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("pipeline")
+    p = parser(__doc__)
+    p.add_argument("pipeline", nargs="?", help="a pipeline the store holds (--smoke: tiny-imdb, run first)")
     args = p.parse_args()
+    if not (args.pipeline or args.smoke):
+        p.error("give the pipeline to check, e.g. demo (after make demo), or --smoke")
+
+    from stages.engine.config import load_pipeline
+    from stages.engine.fingerprint import HashMemo
+    from stages.engine.remote_store import open_store
+    from stages.engine.runner import execute
+    from stages.engine.units import human_bytes
+    from stages.graph import GRAPH
+
+    if args.smoke:
+        args.pipeline = SMOKE[0]
+        cfg = load_pipeline(*SMOKE)
+        execute(GRAPH.plan(cfg, open_store()), open_store())
     store = open_store().local
     refs = store.refs(args.pipeline)  # what the pipeline last ran, per stage
     if not refs:
         raise SystemExit(f"{args.pipeline}: nothing in store {store.root}; run it first (make demo)")
     print(f"pipeline {args.pipeline}, store {store.root}, load average {os.getloadavg()[0]:.2f}")
-    print(f"{'stage':10} {'upstream bytes':>14} {'cold check':>11} {'warm check':>11} {'stage compute':>14} "
-          f"{'cold/compute':>13}")
+    header(["stage", "upstream bytes", "cold check", "warm check", "stage compute", "cold/compute"])
     for stage, key in refs.items():
         manifest = store.read_manifest(stage, key)
         if manifest is None or not manifest.get("upstream"):
@@ -45,7 +61,7 @@ def main() -> None:
         warm = time.perf_counter() - t0
         compute = float(manifest.get("duration_s") or 0)
         share = f"{100 * cold / compute:.2f}%" if compute else "-"
-        print(f"{stage:10} {human_bytes(size):>14} {cold:10.3f}s {warm:10.4f}s {compute:13.1f}s {share:>13}")
+        row([stage, human_bytes(size), f"{cold:.3f} s", f"{warm:.4f} s", f"{compute:.1f} s", share])
 
 
 if __name__ == "__main__":
