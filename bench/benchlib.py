@@ -1,5 +1,5 @@
 """What every bench shares: its command line with `--smoke` (the tiny size the suite runs:
-tests/bench/test_benches.py), a missing optional dependency as one line naming its extra, and table rows printed
+tests/bench/), a missing optional dependency as one line naming its extra, and table rows printed
 as they are measured, so a bench that dies keeps the rows before it.
 
 Imported by the benches as a sibling module (`python bench/X.py` puts bench/ first on sys.path); it imports only

@@ -9,7 +9,7 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
                       GET/PUT requests and bytes; lazy fetch: manifests only)
 
     .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N] [--train-rows N]
-    .venv/bin/python bench/scale_out.py --smoke     # --repeat 1 --train-rows 8 (a Prefect server, moto, workers)
+    .venv/bin/python bench/scale_out.py --smoke     # --repeat 1 --train-rows 8, 2 variants (a Prefect server, moto, workers)
 
 Each kind of timing is taken --repeat times (default 3), interleaved (1 worker, 2 workers, 1, 2, ...; then
 cached s3, cached local, ...); the table gives the medians, each timing beside them.
@@ -60,10 +60,13 @@ from s3server import moto_server, s3_env  # noqa: E402
 from flows.reports.formatting import markdown_table  # noqa: E402
 from stages.engine.units import human_bytes  # noqa: E402
 
+LRS = ("1e-3", "7e-4", "5e-4", "3e-4")  # the sweep's variants; --smoke takes the first two
 
-def sweep_command(train_rows: int = TRAIN_ROWS) -> list[str]:
-    return ["-m", "flows.sweep", "tiny-imdb", "--grid", "train.lr=1e-3,7e-4,5e-4,3e-4",
-            "--set", f"data.subset={{train: {train_rows}, validation: 8, test: 8}}", "--parallel", "4", "--on-workers"]
+
+def sweep_command(train_rows: int = TRAIN_ROWS, lrs: tuple[str, ...] = LRS) -> list[str]:
+    return ["-m", "flows.sweep", "tiny-imdb", "--grid", f"train.lr={','.join(lrs)}",
+            "--set", f"data.subset={{train: {train_rows}, validation: 8, test: 8}}", "--parallel", str(len(lrs)),
+            "--on-workers"]
 
 
 def load() -> str:
@@ -116,14 +119,14 @@ class CpuMeter:
         return out
 
 
-def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str], train_rows: int = TRAIN_ROWS
-          ) -> tuple[float, str, Path, dict[str, float]]:
+def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str], train_rows: int = TRAIN_ROWS,
+          lrs: tuple[str, ...] = LRS) -> tuple[float, str, Path, dict[str, float]]:
     """Wall time of the sweep with these workers on this store (a fresh machine folder each), the load
     average at its end, the folder of its machines and the CPU seconds per role (workers started to end)."""
     folder = tmp / f"{uuid.uuid4().hex[:6]}"
     with CpuMeter() as cpu, machines({**env, "FINETUNE_STORE": store}, folder, *workers):
         t0 = time.perf_counter()
-        run([sys.executable, *sweep_command(train_rows)], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
+        run([sys.executable, *sweep_command(train_rows, lrs)], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
             timeout=1800)
         wall = time.perf_counter() - t0
     return wall, load(), folder, cpu.by_role()
@@ -144,6 +147,7 @@ def main() -> int:
     args = cli().parse_args()
     if args.smoke:
         args.repeat, args.train_rows = 1, 8
+    lrs = LRS[:2] if args.smoke else LRS
     tmp = args.work or Path(tempfile.mkdtemp(prefix="scale-out-"))
     tmp.mkdir(parents=True, exist_ok=True)
     print(f"load before: {load()}", flush=True)
@@ -153,7 +157,7 @@ def main() -> int:
     cpu: dict[str, list[dict[str, float]]] = {k: [] for k in times}
 
     def timed(kind: str, env: dict[str, str], store: str, workers: list[str]) -> Path:
-        t, at_end, folder, used = sweep(env, tmp, store, workers, args.train_rows)
+        t, at_end, folder, used = sweep(env, tmp, store, workers, args.train_rows, lrs)
         times[kind].append(t)
         cpu[kind].append(used)
         loads[kind].append(at_end)
@@ -170,7 +174,7 @@ def main() -> int:
             for i in range(args.repeat):  # each on a fresh store; the last 2-worker one fills `s3`
                 timed("one", env, f"s3://bench/{uuid.uuid4().hex[:8]}", ["a"])
                 timed("two", env, s3 if i == args.repeat - 1 else f"s3://bench/{uuid.uuid4().hex[:8]}", ["a", "b"])
-            sweep(env, tmp, local, ["a", "b"], args.train_rows)  # fill the local store
+            sweep(env, tmp, local, ["a", "b"], args.train_rows, lrs)  # fill the local store
             for _ in range(args.repeat):
                 folder = timed("cached_s3", env, s3, ["a", "b"])
                 timed("cached_local", env, local, ["a", "b"])
@@ -178,7 +182,7 @@ def main() -> int:
     m = {k: statistics.median(v) for k, v in times.items()}
     runs = {k: ", ".join(f"{t:.1f}" for t in v) for k, v in times.items()}
     rows = [["", "", "", "ratio of medians", "load avg 1/5/15 at each end"],
-            ["4-variant sweep, fresh store", f"1 worker {m['one']:.1f} s ({runs['one']})",
+            [f"{len(lrs)}-variant sweep, fresh store", f"1 worker {m['one']:.1f} s ({runs['one']})",
              f"2 workers {m['two']:.1f} s ({runs['two']})", f"{m['one'] / m['two']:.2f}x (goal >= 1.7)",
              "; ".join(loads["one"] + loads["two"])],
             ["same sweep all cached, 2 fresh workers", f"local {m['cached_local']:.1f} s ({runs['cached_local']})",

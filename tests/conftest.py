@@ -182,10 +182,11 @@ SLOW = {
 # collected first: `-n 2 --dist loadfile --no-loadscope-reorder` hands files to the workers in collection order,
 # and a 90-s file handed out last ran alone on one core while the other was idle. Only the order changes; a file
 # not named keeps its place.
-LONGEST_FIRST = ("tests/flows/test_flow.py", "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
+LONGEST_FIRST = ("tests/bench/test_bench_heavy.py", "tests/bench/test_benches.py", "tests/flows/test_flow.py",
+                 "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
                  "tests/flows/test_two_machines.py", "tests/stages/test_export_standalone.py",
-                 "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py", "tests/docs/test_doc_blocks.py",
-                 "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
+                 "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py",
+                 "tests/docs/test_doc_blocks.py", "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before --deselect / --lf drop items

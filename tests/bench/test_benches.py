@@ -1,52 +1,19 @@
 """Every bench (bench/*.py) at its smoke size, `python bench/X.py --smoke`, in a process of its own on a fresh store:
 it exits 0 and prints its tables, header and rows, each row's label as the full run names it (figures are parsed,
 never compared with numbers). Also: `--help` on every bench answers before torch is imported; a missing optional
-dependency is one line naming its extra, exit 2; and a bench without a smoke test here fails the suite."""
+dependency is one line naming its extra, exit 2; and a bench without a smoke test here or in test_bench_heavy.py
+(the smokes of a minute and more, a file of their own so that the suite's two workers share them) fails the suite."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import ROOT, needs_shared_data
-
-BENCH = ROOT / "bench"
-BENCHES = sorted(p.name for p in BENCH.glob("*.py") if p.name != "benchlib.py")
-TRL = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                         reason="TRL is not installed (the bench extra: pip install -e '.[bench]')")
-
-Table = tuple[list[str], list[list[str]]]
-
-# The installed llama_cpp, except that loading the file named by $CRASH_ON kills the process with $CRASH_SIGNAL
-# (as tests/stages/test_export_gguf.py has it): what llama.cpp's AMX kernels do on a VM that advertises AMX.
-FAULTY_LLAMA_CPP = """
-import os, signal, sys
-_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-del sys.modules[__name__]
-import llama_cpp as _real
-
-class Llama(_real.Llama):
-    def __init__(self, model_path, **kw):
-        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
-            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
-        super().__init__(model_path=model_path, **kw)
-
-_real.Llama = Llama
-"""
-
-
-def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
-          timeout: int = 540) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            **({"FINETUNE_STORE": str(store)} if store else {}), **(env or {})}
-    return subprocess.run([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout)
+from smokes import BENCH, BENCHES, FAULTY_LLAMA_CPP, bench, column, labels, number, smoke, table, tables
 
 
 @pytest.fixture(scope="module")
@@ -54,57 +21,6 @@ def shared(tmp_path_factory) -> Path:
     """One store for the smokes that run tiny-imdb on the same settings (their first stages computed once: the
     file's tests run in one process, in order)."""
     return tmp_path_factory.mktemp("bench-smokes") / "store"
-
-
-def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None) -> str:
-    """The bench's --smoke run on a fresh store (or `store`): its stdout, after checking it ended well."""
-    p = bench(name, "--smoke", *args, store=store or tmp_path / "store")
-    assert p.returncode == 0, f"{name} --smoke: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    return p.stdout
-
-
-def tables(out: str) -> list[Table]:
-    """The markdown tables in `out`: (header cells, rows of cells); each row has the header's width."""
-    found, lines = [], out.splitlines()
-    for i, line in enumerate(lines[:-1]):
-        if line.startswith("|") and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i + 1].strip()) and \
-                (i == 0 or not lines[i - 1].startswith("|")):
-            head = cells(line)
-            rows = []
-            for r in lines[i + 2:]:
-                if not r.startswith("|"):
-                    break
-                rows.append(cells(r))
-                assert len(rows[-1]) == len(head), f"a row of {len(rows[-1])} cells under {len(head)}: {r}"
-            found.append((head, rows))
-    return found
-
-
-def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
-def table(out: str, first: str) -> Table:
-    """The table whose first header cell starts with `first`."""
-    match = [t for t in tables(out) if t[0][0].startswith(first)]
-    assert match, f"no table headed {first!r} in:\n{out[-3000:]}"
-    return match[0]
-
-
-def number(cell: str) -> float:
-    """A cell's figure: '1,234', '0.52 s', '1.10x', '4.0%', '3/8' (-> 3)."""
-    m = re.match(r"[-+]?[\d,]*\.?\d+(?:e[-+]?\d+)?", cell.replace(" ", ""))
-    assert m, f"not a number: {cell!r}"
-    return float(m.group().replace(",", ""))
-
-
-def column(t: Table, name: str) -> list[str]:
-    return [r[t[0].index(name)] for r in t[1]]
-
-
-def labels(t: Table) -> list[str]:
-    return [r[0] for r in t[1]]
 
 
 # ---------------------------------------------------------------- one smoke test per bench
@@ -118,23 +34,6 @@ def test_cached_rerun_smoke(tmp_path, shared):  # three flows.finetune/Prefect p
     t = table(out, "run (tiny-imdb")
     assert labels(t) == ["cached pipeline run", "7-task no-op flow"]
     assert number(column(t, "vs no-op")[1]) == 1.0 and number(column(t, "vs no-op")[0]) > 0
-
-
-@needs_shared_data
-@pytest.mark.slow
-def test_faults_smoke(tmp_path):  # five `python -m stages` processes
-    out = smoke("faults.py", tmp_path)
-    t = table(out, "stage")
-    assert [r[:2] for r in t[1]] == [["train", "SIGTERM"]]
-    r = dict(zip(t[0], t[1][0], strict=True))
-    assert r["traceback"] == "no" and r["verify"] == "ok" and r["rerun"].startswith("0: computed")
-
-
-@pytest.mark.slow
-def test_gguf_load_smoke(tmp_path):  # ~30 CPU-s: transformers reads a 49k-token GGUF tokenizer
-    t = table(smoke("gguf_load.py", tmp_path), "part")
-    assert labels(t) == ["config", "tokenizer", "model"]
-    assert all(number(c) >= 0 for r in t[1] for c in r[1:])
 
 
 def test_memory_table_smoke(tmp_path):
@@ -226,36 +125,9 @@ def test_predict_seq2seq_smoke(tmp_path):
 
 @needs_shared_data
 @pytest.mark.slow
-@pytest.mark.cluster
-def test_reproduce_accumulation_smoke(tmp_path):  # a Prefect sweep of three child runs
-    t = table(smoke("reproduce_accumulation.py", tmp_path), "")
-    assert len(t[1]) == 3
-
-
-@needs_shared_data
-@pytest.mark.slow
 def test_run_overhead_smoke(tmp_path):  # ~25 CPU-s: two processes that import torch, transformers, datasets, peft
     t = table(smoke("run_overhead.py", tmp_path), "")
     assert t[0][1:] == ["before", "now", "saved"] and len(t[1]) == 3
-
-
-@needs_shared_data
-@pytest.mark.slow
-@pytest.mark.cluster
-def test_scale_out_smoke(tmp_path):  # a Prefect server, moto's S3 server and two workers
-    out = smoke("scale_out.py", tmp_path, "--work", str(tmp_path / "work"))
-    assert len(table(out, "")[1]) >= 2
-    assert len(table(out, "CPU seconds (median)")[1]) == 4
-
-
-@TRL
-@needs_shared_data
-@pytest.mark.slow
-def test_sft_smoke(tmp_path):  # ~30 CPU-s: TRL's trainer built four times
-    out = smoke("sft.py", tmp_path)
-    assert re.search(r"tokenization: \d+ of \d+ rows differ", out) and "first-step loss" in out
-    t = table(out, "variant")
-    assert labels(t) == ["TRL unpacked", "ours unpacked", "TRL packed", "ours packed"]
 
 
 def test_suite_census_smoke(tmp_path):
@@ -335,6 +207,7 @@ def test_a_missing_optional_dependency_is_one_line_naming_its_extra(tmp_path, na
 
 
 def test_every_bench_has_a_smoke_test():
-    missing = [b for b in BENCHES if f"test_{Path(b).stem}_smoke" not in globals()]
-    assert not missing, f"benches without a smoke test in {Path(__file__).name}: {', '.join(missing)}"
+    defined = "".join(f.read_text() for f in Path(__file__).parent.glob("test_*.py"))
+    missing = [b for b in BENCHES if f"def test_{Path(b).stem}_smoke(" not in defined]
+    assert not missing, f"benches without a smoke test in tests/bench/: {', '.join(missing)}"
     assert len(BENCHES) >= 20  # the glob found them
