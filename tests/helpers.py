@@ -74,3 +74,22 @@ def subprocess_env(store: Path | str, **extra: str) -> dict[str, str]:
 def spawn(args: list[str], store: Path | str, cwd: Path = ROOT, **extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "stages", *args], cwd=cwd, env=subprocess_env(store, **extra),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# A llama_cpp that is the installed binding, except that loading the file named by $CRASH_ON kills the process with
+# $CRASH_SIGNAL: what llama.cpp's kernels do on a CPU that advertises an instruction its VM will not run (AMX).
+FAULTY_LLAMA_CPP = """
+import os, signal, sys
+_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules[__name__]
+import llama_cpp as _real
+
+class Llama(_real.Llama):
+    def __init__(self, model_path, **kw):
+        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
+            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
+        super().__init__(model_path=model_path, **kw)
+
+_real.Llama = Llama
+"""

@@ -20,24 +20,6 @@ TRL = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
 
 Table = tuple[list[str], list[list[str]]]
 
-# The installed llama_cpp, except that loading the file named by $CRASH_ON kills the process with $CRASH_SIGNAL
-# (as tests/stages/test_export_gguf.py has it): what llama.cpp's AMX kernels do on a VM that advertises AMX.
-FAULTY_LLAMA_CPP = """
-import os, signal, sys
-_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-del sys.modules[__name__]
-import llama_cpp as _real
-
-class Llama(_real.Llama):
-    def __init__(self, model_path, **kw):
-        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
-            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
-        super().__init__(model_path=model_path, **kw)
-
-_real.Llama = Llama
-"""
-
 
 def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
           timeout: int = 540) -> subprocess.CompletedProcess:

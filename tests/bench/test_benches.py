@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, needs_shared_data
-from smokes import BENCH, BENCHES, FAULTY_LLAMA_CPP, bench, column, labels, number, smoke, table, tables
+from helpers import FAULTY_LLAMA_CPP, ROOT, needs_shared_data
+from smokes import BENCH, BENCHES, bench, column, labels, number, smoke, table, tables
 
 
 @pytest.fixture(scope="module")

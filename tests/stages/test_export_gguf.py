@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import FAULTY_LLAMA_CPP
 from test_chat_export import SMOLLM2, TINY_LLAMA, run, write_pipeline
 
 from flows.predict import main as predict_main
@@ -25,24 +26,6 @@ from stages.engine.store import Store
 from stages.graph import GRAPH, check_formats
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
-
-# A llama_cpp that is the installed binding, except that loading the file named by $CRASH_ON kills the process with
-# $CRASH_SIGNAL: what llama.cpp's kernels do on a CPU that advertises an instruction its VM will not run (AMX).
-FAULTY_LLAMA_CPP = """
-import os, signal, sys
-_here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-del sys.modules[__name__]
-import llama_cpp as _real
-
-class Llama(_real.Llama):
-    def __init__(self, model_path, **kw):
-        if os.path.basename(model_path) == os.environ["CRASH_ON"]:
-            os.kill(os.getpid(), getattr(signal, os.environ["CRASH_SIGNAL"]))
-        super().__init__(model_path=model_path, **kw)
-
-_real.Llama = Llama
-"""
 
 
 @pytest.fixture
