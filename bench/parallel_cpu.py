@@ -46,9 +46,10 @@ def cli() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     cli().parse_args()  # --help and a bad flag answered before the heavy imports below
 
-from stages.common import aclimdb, metrics  # noqa: E402
 from stages.engine.fingerprint import HashMemo, sha256_many  # noqa: E402
 from stages.engine.parallel import available_cores, n_jobs  # noqa: E402
+from stages.methods import metrics  # noqa: E402
+from stages.sources import aclimdb  # noqa: E402
 
 MIRROR = ROOT.parent / "shared" / "data"
 

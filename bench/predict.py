@@ -61,8 +61,8 @@ def reviews(n: int) -> tuple[list[str], list[int]]:
 
 def onnx(folder: Path, runtime: str, threads: int) -> object:
     """The export with its ONNX file in onnxruntime, on `threads` intra-op threads."""
-    from stages.common.exported import load_export
-    from stages.common.onnx_export import session
+    from stages.formats.onnx_export import session
+    from stages.runtimes.exported import load_export
 
     ex = load_export(folder, runtime=runtime)
     ex.model.sess = session(ex.model.path, threads)
@@ -93,7 +93,7 @@ def main() -> int:
     import torch
     from transformers import pipeline
 
-    from stages.common.exported import load_export, predict
+    from stages.runtimes.exported import load_export, predict
 
     folder = export_folder(args.smoke)
     texts, gold = reviews(args.n)

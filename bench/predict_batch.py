@@ -37,7 +37,7 @@ def main() -> int:
     import torch
     from transformers import pipeline
 
-    from stages.common.exported import load_export, predict
+    from stages.runtimes.exported import load_export, predict
 
     folder = export_folder(args.smoke)
     texts, _ = reviews(args.n)

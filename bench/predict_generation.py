@@ -14,7 +14,7 @@ the tokens generated. Model loading is outside the timings.
     .venv/bin/python bench/predict_generation.py --smoke   # a tiny random llama, 2 bills, 4 tokens: seconds
 
 The export is computed first when the store does not hold it (about 2 minutes). llama.cpp runs in a process of its
-own (stages/common/gguf_export.py): a path whose llama.cpp dies (a signal on this CPU) is one failure row, and the
+own (stages/formats/gguf_export.py): a path whose llama.cpp dies (a signal on this CPU) is one failure row, and the
 bench goes on.
 """
 
@@ -90,13 +90,13 @@ def main() -> int:
 
     import torch
 
-    from stages.common.exported import load_export, predict
-    from stages.common.gguf_export import RuntimeCrash
     from stages.engine.config import load_pipeline
     from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
+    from stages.formats.gguf_export import RuntimeCrash
     from stages.graph import GRAPH
+    from stages.runtimes.exported import load_export, predict
 
     chats = conversations()
     out = ROOT / "bench" / "out" / ("predict_generation_smoke" if args.smoke else "predict_generation")

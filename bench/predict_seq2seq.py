@@ -1,7 +1,7 @@
 """Seq2seq generation on a CPU (docs/export.md#seq2seq): a t5-small-shaped model (random weights from its
 config: no hub here, so every row runs to max_new_tokens, the worst case) on real billsum bills, greedy, timed
 as torch batched (length-sorted batches of 8, KV cache: what `finetune predict` runs), torch one bill at a
-time, and the ONNX export (stages/common/onnx_export.py: no KV cache) in fp32 and int8, each checked against torch batched
+time, and the ONNX export (stages/formats/onnx_export.py: no KV cache) in fp32 and int8, each checked against torch batched
 (rows identical). Interleaved, best of --repeats.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/predict_seq2seq.py [--n 16] [--new 32] [--threads 1]
@@ -41,9 +41,9 @@ def main() -> int:
     import torch
     import transformers
 
-    from stages.common import onnx_export
-    from stages.common.hf import pretrained_source
-    from stages.common.inference import generate
+    from stages.formats import onnx_export
+    from stages.models.hf import pretrained_source
+    from stages.runtimes.inference import generate
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

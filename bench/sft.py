@@ -95,7 +95,7 @@ def tokenization_mismatches(trainer: Any, rows: list[dict]) -> tuple[int, str]:
 
 def first_losses(make: Any, tok: Any, convs: list, rows: list[dict], micro: int) -> tuple[float, float]:
     """(ours, TRL's) mean loss per label token on the same first micro-batch, same untrained model."""
-    from stages.common.tasks import task_of
+    from stages.methods.tasks import task_of
 
     task = task_of("causal_lm")
     model = make().eval()
@@ -124,7 +124,7 @@ def main() -> None:
     require("trl")
     n, runs = (8, 1) if args.smoke else (16, 1) if args.quick else (args.rows, args.runs)
     torch.set_num_threads(1)
-    from stages.common.model_loading import quiet_transformers
+    from stages.models.model_loading import quiet_transformers
 
     quiet_transformers()
     import trl

@@ -62,7 +62,7 @@ def kind(argv: list[str]) -> str:
     for needle, name in [("exec(eval(sys.stdin", "pytest worker (xdist)"), ("-m pytest", "pytest"),
                          ("prefect server start", "prefect server"), ("prefect worker", "prefect worker"),
                          ("accelerate.commands.launch", "accelerate launch"),
-                         ("stages.common.distributed", "a launched train process"),
+                         ("stages.training.distributed", "a launched train process"),
                          ("-m stages", "python -m stages"), ("flows.inspect", "inspect (flows.inspect, finetune)"),
                          ("finetune inspect", "inspect (flows.inspect, finetune)"), ("flows.serve", "flows.serve"),
                          ("flows.sweep", "flows.sweep"), ("flows.finetune", "flows.finetune, finetune run"),

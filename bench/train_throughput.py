@@ -20,7 +20,7 @@ trains one epoch over the r-th slice of `--subset` reviews of those 512, the sam
 loop is timed (no setup, no saving). Variants and precisions are interleaved within each run so machine
 noise spreads over all of them; the table shows medians over `--runs` runs and ratios to (a) and (b) in the
 same precision. The first line printed is the CPU's capability line: torch's kernel level, its bf16 units
-(stages/common/device.py) and what `train.mixed_precision: auto` picks there, and why.
+(stages/training/device.py) and what `train.mixed_precision: auto` picks there, and why.
 
 The second table compares (c) and (d) in steady state: the time from the end of optimizer step 1 to the
 end of the last step (so the first step's warm-up is out of both), over the real tokens of steps 2..N;
@@ -96,12 +96,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.common.device import autocast as stage_autocast  # noqa: E402
-from stages.common.device import training_device  # noqa: E402
-from stages.common.hf import split_gguf  # noqa: E402
-from stages.common.precision import CPU_BF16_UNITS, auto_precision, cpu_bf16_units  # noqa: E402
 from stages.data import mirror_root  # noqa: E402
-from stages.engine.schema import DataConfig, TrainConfig  # noqa: E402
+from stages.models.hf import split_gguf  # noqa: E402
+from stages.models.precision import CPU_BF16_UNITS, auto_precision, cpu_bf16_units  # noqa: E402
+from stages.pipeline.schema import DataConfig, TrainConfig  # noqa: E402
+from stages.training.device import autocast as stage_autocast  # noqa: E402
+from stages.training.device import training_device  # noqa: E402
 
 DATA = (mirror_root(DataConfig(mirror="../shared/data")) or ROOT.parent / "shared" / "data") / "imdb" / "train.csv.gz"
 
@@ -297,8 +297,8 @@ def clocks() -> tuple[float, float]:
 def run_bare(make_model, tok, texts, labels, device: torch.device, precision: str) -> dict:
     import torch.nn.functional as F
 
-    from stages.common.batching import Rows, epoch_batches
-    from stages.common.tasks import task_of
+    from stages.methods.tasks import task_of
+    from stages.training.batching import Rows, epoch_batches
 
     cfg = stage_config(precision)
     rows = Rows(stage_rows(tok, texts, labels))

@@ -3,7 +3,7 @@
 (`adapter/`, seeded by adapters.init_seed); `full` makes every parameter trainable (the BLOOM article)
 and saves only `adapters.json`. Manifest: trainable / total / percent.
 
-`stages.common.model_loading.load_trainable` reads this artifact for the train stage: the model ready to train.
+`stages.models.model_loading.load_trainable` reads this artifact for the train stage: the model ready to train.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.common import memory
-from stages.common.compat.peft import peft_dispatch
-from stages.common.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model, save_adapter
-from stages.common.tasks import task_of
 from stages.engine.errors import ConfigError
-from stages.engine.schema import AdaptersConfig
 from stages.engine.stage import StageContext
+from stages.methods.tasks import task_of
+from stages.models import memory
+from stages.models.compat.peft import peft_dispatch
+from stages.models.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model, save_adapter
+from stages.pipeline.schema import AdaptersConfig
 
 
 def linear_names(model: nn.Module) -> list[str]:

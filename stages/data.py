@@ -20,9 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.common import conversations as chats
-from stages.common.hub import ensure_hub_reachable, hub_identity
-from stages.common.tables import (
+from stages.engine.config import inherited_from
+from stages.engine.errors import ConfigError, DataError, MissingInputError
+from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
+from stages.engine.stage import StageContext
+from stages.methods.tasks import data_of
+from stages.pipeline.schema import DataConfig, PipelineConfig
+from stages.sources.hub import ensure_hub_reachable, hub_identity
+from stages.sources.tables import (
     SUFFIXES,
     LabelColumn,
     columns,
@@ -32,12 +37,7 @@ from stages.common.tables import (
     places,
     read_table,
 )
-from stages.common.tasks import data_of
-from stages.engine.config import inherited_from
-from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
-from stages.engine.schema import DataConfig, PipelineConfig
-from stages.engine.stage import StageContext
+from stages.text import conversations as chats
 
 if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so planning a cached run imports neither
     import pandas as pd
@@ -115,7 +115,7 @@ def _split_of(name: str) -> str | None:
 def _read_local(path: Path) -> dict[str, pd.DataFrame]:
     import pandas as pd
 
-    from stages.common import aclimdb
+    from stages.sources import aclimdb
 
     if path.is_dir() and (path / "train" / "pos").is_dir():
         return aclimdb.read_folder(path)
@@ -561,7 +561,7 @@ def source_splits(cfg: PipelineConfig) -> set[str] | None:
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    from stages.common.arrow import write_arrow
+    from stages.sources.arrow import write_arrow
 
     cfg = ctx.cfg
     frames, origin = load_source(cfg)

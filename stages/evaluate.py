@@ -5,14 +5,14 @@
                               the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
 
-each computed by the task's object (stages/common/tasks.py: Task.evaluate).
+each computed by the task's object (stages/methods/tasks.py: Task.evaluate).
 
 The scores come from the `evaluate` modules `evaluate.metrics` names (default: the task's; the project's
-offline accuracy / f1 / rouge modules, stages/common/metrics.py); the confusion matrix is computed here.
+offline accuracy / f1 / rouge modules, stages/methods/metrics.py); the confusion matrix is computed here.
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
 labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch) by
-stages/common/inference.py, which `flows.predict` shares; predictions are written in split order.
+stages/runtimes/inference.py, which `flows.predict` shares; predictions are written in split order.
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
 prediction, reference; a classifier's as class names when the data names them, with prediction_id and
@@ -30,20 +30,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.common import metrics
-from stages.common.arrow import read_split
-from stages.common.compat.bitsandbytes import exact_cpu_kernels
-from stages.common.device import autocast, resolve_precision
-from stages.common.hf import load_tokenizer
-from stages.common.inference import device_for
-from stages.common.model_loading import load_model, load_trained
-from stages.common.tasks import Task, task_of
 from stages.engine.errors import MissingInputError
-from stages.engine.schema import EvaluateConfig
 from stages.engine.stage import StageContext
+from stages.methods import metrics
+from stages.methods.tasks import Task, task_of
+from stages.models.compat.bitsandbytes import exact_cpu_kernels
+from stages.models.hf import load_tokenizer
+from stages.models.model_loading import load_model, load_trained
+from stages.pipeline.schema import EvaluateConfig
+from stages.runtimes.inference import device_for
+from stages.sources.arrow import read_split
+from stages.training.device import autocast, resolve_precision
 
 if TYPE_CHECKING:
-    from stages.common.model_loading import HFModel
+    from stages.models.model_loading import HFModel
 
 
 log = logging.getLogger("finetune.evaluate")  # the stage's logger (StageContext.log): progress lines

@@ -33,12 +33,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from stages.common import gguf_export, onnx_export
-from stages.common.compat.peft import peft_dispatch
-from stages.common.compat.transformers import drop_quantization_config
-from stages.common.export_layout import hub_base, top_layout
-from stages.common.hf import load_tokenizer
-from stages.common.model_loading import (
+from stages.engine.errors import ConfigError
+from stages.engine.fingerprint import canonical_json
+from stages.engine.stage import StageContext, select
+from stages.formats import gguf_export, onnx_export
+from stages.formats.export_layout import hub_base, top_layout
+from stages.methods.tasks import Task, task_of
+from stages.models.compat.peft import peft_dispatch
+from stages.models.compat.transformers import drop_quantization_config
+from stages.models.hf import load_tokenizer
+from stages.models.model_loading import (
     DTYPES,
     LOAD_INFO,
     load_info,
@@ -46,11 +50,7 @@ from stages.common.model_loading import (
     load_trained,
     write_adapter_config,
 )
-from stages.common.tasks import Task, task_of
-from stages.engine.errors import ConfigError
-from stages.engine.fingerprint import canonical_json
-from stages.engine.schema import CARD_SECTIONS, PipelineConfig
-from stages.engine.stage import StageContext, select
+from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -156,7 +156,7 @@ def chat_facts(tokenized: dict[str, Any], tok: Any, out: Path) -> dict[str, Any]
     """A chat export's: the file holding the template the conversations were rendered with (save_pretrained
     writes chat_template.jinja, or the template inside tokenizer_config.json) and the end-of-turn token
     generation stops at. None when the tokenize stage rendered no conversations."""
-    from stages.common.inference import end_of_turn
+    from stages.runtimes.inference import end_of_turn
 
     rendered = (tokenized.get("metrics") or {}).get("chat")
     if not rendered:

@@ -8,8 +8,13 @@ to the engine (stages/engine/runner.py executes it)."""
 from __future__ import annotations
 
 from stages import data
-from stages.common import chat, distributed, export_layout, gguf_export, onnx_export
-from stages.common.hf import (
+from stages.engine.errors import ConfigError
+from stages.engine.plan import Graph
+from stages.engine.stage import Lazy, Stage
+from stages.formats import export_layout, gguf_export, onnx_export
+from stages.methods.metrics import metric_files, validation_metric_files
+from stages.methods.tasks import task_of
+from stages.models.hf import (
     check_model_folder,
     check_tokenizer_folder,
     model_deps,
@@ -17,15 +22,12 @@ from stages.common.hf import (
     tokenizer_deps,
     tokenizer_files,
 )
-from stages.common.metrics import metric_files, validation_metric_files
-from stages.common.packing import check_packing
-from stages.common.precision import resolve_compute_dtype, resolve_mixed_precision
-from stages.common.tasks import task_of
-from stages.common.train_checks import check_config
-from stages.engine.errors import ConfigError
-from stages.engine.plan import Graph
-from stages.engine.schema import CARD_SECTIONS, PipelineConfig
-from stages.engine.stage import Lazy, Stage
+from stages.models.precision import resolve_compute_dtype, resolve_mixed_precision
+from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
+from stages.text import chat
+from stages.text.packing import check_packing
+from stages.training import distributed
+from stages.training.train_checks import check_config
 
 
 def check_model(cfg: PipelineConfig) -> None:
@@ -77,7 +79,7 @@ GRAPH = Graph([
     Stage(
         name="model",
         body=Lazy("stages.model", "run"),
-        precheck=Lazy("stages.common.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
+        precheck=Lazy("stages.training.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
         check=check_model,  # a folder's config.json, its weights (safetensors only), its code; a tokenizer's vocabulary
         reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
         resolve=resolve_compute_dtype,  # quantized, auto -> the compute dtype this machine loads in, before the keys

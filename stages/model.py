@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stages.common import memory
-from stages.common.compat.bitsandbytes import quant_state_bytes
-from stages.common.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
-from stages.common.hf import load_tokenizer, pretrained_source
-from stages.common.model_loading import (
+from stages.engine.stage import StageContext
+from stages.engine.units import human_bytes
+from stages.methods.tasks import task_of
+from stages.models import memory
+from stages.models.compat.bitsandbytes import quant_state_bytes
+from stages.models.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
+from stages.models.hf import load_tokenizer, pretrained_source
+from stages.models.model_loading import (
     LOAD_INFO,
     auto_class,
     bnb_config,
@@ -35,9 +38,6 @@ from stages.common.model_loading import (
     meta_and_plan,
     quiet_transformers,
 )
-from stages.common.tasks import task_of
-from stages.engine.stage import StageContext
-from stages.engine.units import human_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,14 +1,14 @@
 """Tokenize stage: the data stage's splits -> token ids, saved with `datasets` save_to_disk.
 
 No padding is stored (batches are padded dynamically at train time). Inputs longer than
-`tokenize.max_length` keep their head and the tokenizer's closing special tokens (stages/common/tokens.py;
-causal_lm prompt + target: the prompt's head is cut); each row's labels are its task's (stages/common/tasks.py:
+`tokenize.max_length` keep their head and the tokenizer's closing special tokens (stages/text/tokens.py;
+causal_lm prompt + target: the prompt's head is cut); each row's labels are its task's (stages/methods/tasks.py:
 class ids, target ids, or prompt + target). Conversations are rendered with the chat template
-(stages/common/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
+(stages/text/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
 truncated, over what max_length cuts: causal_lm prompt + target).
 
 Packing (tokenize.packing, causal_lm): the train split's rows, each already cut to max_length with its own
-labels, are packed into sequences of up to max_length tokens by best-fit decreasing (stages/common/packing.py:
+labels, are packed into sequences of up to max_length tokens by best-fit decreasing (stages/text/packing.py:
 deterministic, and TRL's strategy, so bench/sft.py compares like with like). A packed row's `id` lists its rows'
 ids, `position_ids` restart at 0 per row (the train step gives the model these and no attention mask: a
 block-diagonal causal mask), each row's first token carries no label (the row before never predicts it) and
@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from stages.common import chat
-from stages.common.arrow import read_split
-from stages.common.hf import load_tokenizer
-from stages.common.packing import pack_rows
-from stages.common.tasks import TokenRows, task_of
-from stages.common.tokens import bare_ids
 from stages.engine.stage import StageContext
+from stages.methods.tasks import TokenRows, task_of
+from stages.models.hf import load_tokenizer
+from stages.sources.arrow import read_split
+from stages.text import chat
+from stages.text.packing import pack_rows
+from stages.text.tokens import bare_ids
 
 
 def length_stats(lengths: list[int], limit: int | None) -> dict[str, float]:
@@ -78,7 +78,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         stats[name] = {"input": length_stats(rows.lengths, t.max_length)}
         if rows.target_lengths is not None:
             stats[name]["target"] = length_stats(rows.target_lengths, t.max_target_length)
-        if t.packing and name == "train":  # rows -> sequences of up to max_length (stages/common/packing.py)
+        if t.packing and name == "train":  # rows -> sequences of up to max_length (stages/text/packing.py)
             packed = pack_rows(rows.input_ids, rows.labels, t.max_length)
             cols = {"id": [[cols["id"][r] for r in seq] for seq in packed.rows], "labels": packed.labels,
                     "input_ids": packed.input_ids, "position_ids": packed.position_ids,

@@ -8,23 +8,23 @@
 
 Setup: precision (`auto`: bf16 on GPUs that have it and on CPUs with bf16 units, fp16 + grad scaler on older
 GPUs, else fp32; resolved before any key, so the key holds the precision used) and accelerate's Accelerator
-(stages/common/device.py), the optimizer (stages/common/optim.py's table) and schedule, the latest resume
+(stages/training/device.py), the optimizer (stages/training/optim.py's table) and schedule, the latest resume
 checkpoint. Settings that cannot work are refused at plan time, before any stage runs (train_checks.py).
 
 Each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps rows, chosen
-by a seeded length-grouped sampler: stages/common/batching.py), cuts it into micro-batches padded to their
+by a seeded length-grouped sampler: stages/training/batching.py), cuts it into micro-batches padded to their
 own longest row, and runs forward/backward on each. The loss is a *sum* divided by the count over the whole
-effective batch (rows for classification, target tokens for LM tasks: the task's, stages/common/tasks.py), so
+effective batch (rows for classification, target tokens for LM tasks: the task's, stages/methods/tasks.py), so
 micro-batch k x accumulation 1 and micro-batch 1 x accumulation k give the same gradients (transformers'
 Trainer instead scales by the number of micro-batches). A CUDA out-of-memory error halves the micro-batch and
 doubles accumulation (the same effective batch) and retries the step. Before the optimizer step the gradient
 norm is measured (and clipped) and the step checked for divergence; validation runs at each epoch end and
-every `train.eval_every` steps, and may keep the best weights and stop early (stages/common/health.py). What
-the run shows and leaves: stages/common/runlog.py. Ctrl-C / SIGTERM: a checkpoint at the last finished step,
-then the signal (stages/common/interrupt.py).
+every `train.eval_every` steps, and may keep the best weights and stop early (stages/training/health.py). What
+the run shows and leaves: stages/training/runlog.py. Ctrl-C / SIGTERM: a checkpoint at the last finished step,
+then the signal (stages/training/interrupt.py).
 
 Several processes (train.num_processes > 1): `run` starts itself under `accelerate launch` (stages/
-common/distributed.py), one process per GPU (gloo processes on CPU). Effective batch = micro-batch x
+training/distributed.py), one process per GPU (gloo processes on CPU). Effective batch = micro-batch x
 accumulation x processes; every process takes its shard of each effective batch, the loss denominator is
 the count over the whole global batch and DDP averages the gradients (distributed.shard_window), so the
 weights equal one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and
@@ -51,16 +51,23 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from stages.common import distributed
-from stages.common.batching import Rows, epoch_batches, validation_rows
-from stages.common.checkpoint import (
+from stages.engine.errors import ConfigError, MissingInputError
+from stages.engine.stage import StageContext
+from stages.methods.tasks import task_of
+from stages.models.hf import load_tokenizer
+from stages.models.model_loading import count_parameters, load_trainable, save_trained
+from stages.pipeline.schema import TrainConfig
+from stages.text.packing import keeps_rows_apart
+from stages.training import distributed
+from stages.training.batching import Rows, epoch_batches, validation_rows
+from stages.training.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     trainable_state,
 )
-from stages.common.device import (
+from stages.training.device import (
     enable_gradient_checkpointing,
     is_oom,
     make_accelerator,
@@ -68,18 +75,11 @@ from stages.common.device import (
     seed_everything,
     upcast_trainable,
 )
-from stages.common.health import BestKeeper, Watchdog
-from stages.common.hf import load_tokenizer
-from stages.common.interrupt import DeferredStop, StepAbandoned
-from stages.common.model_loading import count_parameters, load_trainable, save_trained
-from stages.common.optim import OPTIMIZERS, lr_factor
-from stages.common.packing import keeps_rows_apart
-from stages.common.runlog import NoRunLog, RunLog
-from stages.common.tasks import task_of
-from stages.common.train_checks import check_validation
-from stages.engine.errors import ConfigError, MissingInputError
-from stages.engine.schema import TrainConfig
-from stages.engine.stage import StageContext
+from stages.training.health import BestKeeper, Watchdog
+from stages.training.interrupt import DeferredStop, StepAbandoned
+from stages.training.optim import OPTIMIZERS, lr_factor
+from stages.training.runlog import NoRunLog, RunLog
+from stages.training.train_checks import check_validation
 
 # ====================================================================== the stage
 
@@ -179,7 +179,7 @@ class TrainRun:
 
     def _check_packing(self, model: torch.nn.Module) -> None:
         """Packed rows (tokenize.packing) need a model whose attention keeps them apart given their position
-        ids (stages/common/packing.py); one that does not is refused before the first step."""
+        ids (stages/text/packing.py); one that does not is refused before the first step."""
         if not keeps_rows_apart(model, self.device):
             raise ConfigError(f"tokenize.packing: this model ({type(model).__name__}) lets packed rows attend to "
                               "each other (its attention does not follow position ids); set tokenize.packing: false")
@@ -457,7 +457,7 @@ def launch_training(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One of the launched processes (stages.common.distributed runs it; rank 0's return value is the stage's)."""
+    """One of the launched processes (stages.training.distributed runs it; rank 0's return value is the stage's)."""
     if torch.cuda.is_available():  # before loading: a quantized model goes to the current device (model.load_model)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return train_stage(args["task"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},

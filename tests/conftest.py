@@ -39,7 +39,7 @@ def pytest_configure(config: pytest.Config) -> None:
     instead of skipping the ~90 tests that need it; a local checkout without it still skips them.
 
     One FINETUNE_CACHE for the session (made here, in the process that starts the xdist workers, which inherit
-    it): SmolLM2's GGUF is converted once for all tests (stages/common/gguf.py), never read from the user's
+    it): SmolLM2's GGUF is converted once for all tests (stages/models/gguf.py), never read from the user's
     ~/.cache; a test about that cache sets its own."""
     missing = [f for f in SHARED_FILES if not (SHARED_DATA / f).exists()]
     if os.environ.get("CI", "").lower() in ("true", "1") and missing:

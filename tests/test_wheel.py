@@ -47,7 +47,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_carries_every_package_and_data_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for metric in ("accuracy/accuracy.py", "f1/f1.py", "rouge/rouge.py", "README.md"):
-        assert f"stages/common/metric_modules/{metric}" in names
+        assert f"stages/methods/metric_modules/{metric}" in names
     assert "stages/pipeline.yaml" in names
     shipped = zipfile.ZipFile(wheel).read("stages/pipeline.yaml")
     assert shipped == (ROOT / "pipeline.yaml").read_bytes()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from stages.engine.schema import TrainConfig
+from stages.pipeline.schema import TrainConfig
 
 VOCAB = 64
 PAD = 0
@@ -73,8 +73,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def window_grads(make_model, rows, micro: int, task: str, tmp_path, monkeypatch) -> dict[str, torch.Tensor]:
     """The gradients the train loop's first step holds when its health check runs (after the window, before
     the optimizer step; no clipping): all `rows` in one effective batch of micro-batches of `micro` rows."""
-    from stages.common.health import Watchdog
     from stages.train import train_model
+    from stages.training.health import Watchdog
 
     model, seen = make_model(), {}
     real_check = Watchdog.check

@@ -26,8 +26,8 @@ from stages.engine.errors import ConfigError
 from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
 from stages.engine.runner import check_store_writable
-from stages.engine.tracking import TRACK_ENV
 from stages.graph import GRAPH
+from stages.pipeline.tracking import TRACK_ENV
 
 
 def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,

@@ -43,7 +43,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.remote_store import open_store
 from stages.engine.runs import SWEEP_ENV
-from stages.engine.tracking import Tracker, child_env, start_sweep
+from stages.pipeline.tracking import Tracker, child_env, start_sweep
 
 log = logging.getLogger("finetune.sweep")
 

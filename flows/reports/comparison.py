@@ -20,11 +20,11 @@ from typing import Any
 from flows.reports.formatting import label
 from flows.reports.variants import Run, Sweep, short_names
 from stages.engine.plan import Plan
-from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params, flatten, lookups
 from stages.engine.store import StageKey, Store
 from stages.engine.units import human_bytes
 from stages.graph import GRAPH
+from stages.pipeline.schema import PipelineConfig
 
 DONE, STALE, NOT_RUN = "done", "stale", "not run"
 

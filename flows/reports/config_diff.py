@@ -10,10 +10,10 @@ from typing import Any
 from flows.reports.comparison import Finder, artifacts, evaluate_metrics
 from flows.reports.formatting import label
 from stages.engine.plan import Plan
-from stages.engine.schema import PipelineConfig
 from stages.engine.status import changed_params, flatten, lookups, why_changed
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.pipeline.schema import PipelineConfig
 
 
 def diff(a: PipelineConfig, b: PipelineConfig, store: Store) -> dict[str, Any]:

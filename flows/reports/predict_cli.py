@@ -10,10 +10,10 @@
 Classifiers print each text's label and its probability (--out: JSONL with every class's probability);
 seq2seq / causal_lm models print the generated text, with the evaluate stage's generation settings (the
 export's generation_config.json; --max-new-tokens / --num-beams change them). Texts are tokenized as the
-tokenize stage does and run in batches sorted by length (stages/common/exported.py), with a progress bar
+tokenize stage does and run in batches sorted by length (stages/runtimes/exported.py), with a progress bar
 on long inputs. From a pipeline name it uses the store's export for the current config and refuses, in one
 line naming the command that makes it, when that export is missing or stale. --file is read as the data stage
-reads data.path (stages/common/tables.py: the same formats and errors). Bad input (no text, a file that cannot
+reads data.path (stages/sources/tables.py: the same formats and errors). Bad input (no text, a file that cannot
 be read or parsed, no such column, text that is not UTF-8 or over MAX_CHARS, a folder that is not an export or
 is damaged) is one line on stderr naming the file and line, exit 2, before the model loads.
 
@@ -90,9 +90,9 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
 
 
 def read_rows(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """(rows, columns) of a data file, read as the data stage reads `data.path` (stages/common/tables.py: the same
+    """(rows, columns) of a data file, read as the data stage reads `data.path` (stages/sources/tables.py: the same
     formats, the same errors)."""
-    from stages.common.tables import KINDS, read_table
+    from stages.sources.tables import KINDS, read_table
 
     if not path.is_file():
         why = ("a folder" if path.is_dir() else "not a regular file" if path.exists() else why_missing(path))
@@ -116,8 +116,8 @@ def missing_column(path: Path, column: str, columns: list[str], option: str) -> 
 def read_texts(path: Path, column: str) -> list[str]:
     """The texts of a file's column (read_rows), in file order: a number is its text, as the data stage reads
     one; an empty cell, a list or a dict is refused, naming its line."""
-    from stages.common.conversations import looks_structured
-    from stages.common.tables import each_row
+    from stages.sources.tables import each_row
+    from stages.text.conversations import looks_structured
 
     rows, columns = read_rows(path)
     if column not in columns:
@@ -145,8 +145,8 @@ def read_conversations(path: Path, column: str, system: str | None) -> list[list
     """The conversations of a file's `column`, each checked as the data stage checks one (a list of
     {role, content}, known roles, text content), ending in a user turn; `system` goes first where there is
     no system turn."""
-    from stages.common.conversations import conversation
-    from stages.common.tables import each_row
+    from stages.sources.tables import each_row
+    from stages.text.conversations import conversation
 
     rows, columns = read_rows(path)
     if column not in columns:
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
         if not texts:
             raise ConfigError("nothing to predict: give --text TEXT (repeatable), --chat TEXT or --file FILE")
         folder = export_folder(args.target, args.config, args.overrides)
-        from stages.common.exported import load_export, predict
+        from stages.runtimes.exported import load_export, predict
 
         if args.runtime.startswith("onnx") and chats is not None:
             raise ConfigError(f"--runtime {args.runtime}: ONNX exports are of classifiers and seq2seq; a chat runs with "

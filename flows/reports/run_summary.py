@@ -27,11 +27,11 @@ from stages.engine.config import store_root
 from stages.engine.plan import Plan
 from stages.engine.remote_store import open_store
 from stages.engine.runner import execute
-from stages.engine.schema import PipelineConfig
 from stages.engine.status import lookups
 from stages.engine.store import Outcome, Store
 from stages.engine.units import human_bytes
 from stages.graph import GRAPH
+from stages.pipeline.schema import PipelineConfig
 
 NOT_CACHED = 3
 

@@ -40,9 +40,9 @@ from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.fingerprint import canonical_json, sha256_text
 from stages.engine.names import inside, name_problem
 from stages.engine.remote_store import open_store
-from stages.engine.schema import PipelineConfig, SweepConfig
 from stages.engine.store import Store, write_json_atomic
 from stages.graph import GRAPH
+from stages.pipeline.schema import PipelineConfig, SweepConfig
 
 
 @dataclass(frozen=True)

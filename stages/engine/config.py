@@ -1,5 +1,5 @@
 """Loading pipeline.yaml: `defaults` is deep-merged under each named pipeline (which may `extends`
-another), then `--set` overrides, then validation against the schema (stages/engine/schema.py). Every problem
+another), then `--set` overrides, then validation against the schema (stages/pipeline/schema.py). Every problem
 becomes one line naming the YAML path it came from and the fix."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 
 from stages.engine.errors import ConfigError
 from stages.engine.paths import PIPELINE_FILE, work_root
-from stages.engine.schema import PipelineConfig, SweepConfig
+from stages.pipeline.schema import PipelineConfig, SweepConfig
 
 DEFAULT_PIPELINE_FILE = PIPELINE_FILE
 

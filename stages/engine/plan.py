@@ -25,11 +25,11 @@ from stages.engine.fingerprint import (
     library_versions,
     remembered_code_fingerprint,
 )
-from stages.engine.schema import PipelineConfig
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
-from stages.engine.tracking import TRACK_ENV
-from stages.engine.tracking import check as check_tracking
+from stages.pipeline.schema import PipelineConfig
+from stages.pipeline.tracking import TRACK_ENV
+from stages.pipeline.tracking import check as check_tracking
 
 if TYPE_CHECKING:
     import argparse

@@ -26,12 +26,12 @@ from stages.engine.errors import (
 from stages.engine.plan import FORCE, Plan, Planned
 from stages.engine.results import ResultRecorder
 from stages.engine.runs import RunRecord, records_root
-from stages.engine.schema import PipelineConfig
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
 from stages.engine.status import CACHED, lookups
 from stages.engine.store import Outcome, Store
-from stages.engine.tracking import RunTracking
 from stages.engine.units import human_bytes
+from stages.pipeline.schema import PipelineConfig
+from stages.pipeline.tracking import RunTracking
 
 log = logging.getLogger("finetune")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from stages.engine.fingerprint import OUTPUT_LIBRARIES
-from stages.engine.schema import PipelineConfig
+from stages.pipeline.schema import PipelineConfig
 
 JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
 
@@ -77,7 +77,7 @@ class Stage:
     # named by time and pid), which no downstream stage reads: verified like the others, but out of the
     # artifact's digest, so a retrain that reproduces its weights leaves the stages after it cached.
     volatile: tuple[str, ...] = ()
-    # Experiment tracking (stages/engine/tracking.py; never in a key): a JSON-lines file of its artifact whose
+    # Experiment tracking (stages/pipeline/tracking.py; never in a key): a JSON-lines file of its artifact whose
     # records with a `step` are step metrics, the files (fnmatch patterns) logged as the run's artifacts, and
     # whether its artifact is the model the run produced (linked from the run).
     history: str | None = None

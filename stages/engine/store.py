@@ -176,7 +176,7 @@ def work_saved(folder: Path) -> None:
 @contextlib.contextmanager
 def publishing_work(publish: Callable[[Path], None]) -> Iterator[None]:
     """While inside, `work_saved(folder)` calls `publish(folder)`: in a process a stage launched, the hand-over
-    to the stage's own process, which holds the store (stages/common/distributed.py)."""
+    to the stage's own process, which holds the store (stages/training/distributed.py)."""
     token = _work_saved.set(publish)
     try:
         yield

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import SHARED_DATA, needs_shared_data
 
-from stages.common.batching import collate, epoch_batches, padding_share, split_micro
-from stages.common.tasks import TASKS
-from stages.common.tokens import IGNORE_INDEX
+from stages.methods.tasks import TASKS
+from stages.text.tokens import IGNORE_INDEX
+from stages.training.batching import collate, epoch_batches, padding_share, split_micro
 
 
 def test_collate_pads_to_the_longest_row_only():
@@ -59,7 +59,7 @@ def test_padding_share_counts_each_micro_batch_padded_to_its_longest_row():
 def test_padding_share_on_real_imdb_lengths_is_small_with_grouping():
     from transformers import AutoTokenizer
 
-    from stages.common.hub import resolve_local
+    from stages.sources.hub import resolve_local
 
     with gzip.open(SHARED_DATA / "imdb" / "train.csv.gz", "rt") as f:
         texts = pd.read_csv(f, nrows=2000)["text"].tolist()

@@ -1,4 +1,4 @@
-"""Every third-party workaround lives in stages/common/compat/<library>.py and names the versions it was
+"""Every third-party workaround lives in stages/models/compat/<library>.py and names the versions it was
 written for. These fail, naming the workaround to revisit, when an upgrade leaves that range or removes what
 a workaround patches or reads."""
 
@@ -12,7 +12,7 @@ from importlib.metadata import version
 import pytest
 from packaging.requirements import Requirement
 
-import stages.common.compat as compat_pkg
+import stages.models.compat as compat_pkg
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(compat_pkg.__path__))
 
@@ -23,7 +23,7 @@ def test_each_library_has_one_compat_module():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_installed_version_is_the_one_the_workarounds_were_written_for(name):
-    mod = importlib.import_module(f"stages.common.compat.{name}")
+    mod = importlib.import_module(f"stages.models.compat.{name}")
     req = Requirement(mod.WRITTEN_FOR)
     assert req.name == name, f"{mod.__name__}.WRITTEN_FOR names {req.name}, not the library it is for"
     installed = version(req.name)
@@ -43,7 +43,7 @@ def test_transformers_targets_exist():
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from stages.common.compat.transformers import KEEP_FP32_ATTRS
+    from stages.models.compat.transformers import KEEP_FP32_ATTRS
 
     for attr in KEEP_FP32_ATTRS:  # keep_in_fp32_modules / fp32_modules_quantized read and patch these
         assert attr in PreTrainedModel.__dict__, f"PreTrainedModel.{attr} is gone: revisit compat.transformers"
@@ -58,7 +58,7 @@ def test_peft_targets_exist():
     import peft.import_utils as pu
     import peft.tuners.lora.model as lora_model
 
-    from stages.common.compat.peft import BNB_PROBES
+    from stages.models.compat.peft import BNB_PROBES
 
     for name in BNB_PROBES:
         assert hasattr(getattr(pu, name), "cache_clear"), f"peft.import_utils.{name} is no longer cached: import_peft"
@@ -84,7 +84,7 @@ def test_bitsandbytes_targets_exist():
 def test_bitsandbytes_cpu_flag_is_still_the_one_linear4bit_reads():
     import bitsandbytes.nn as bnn
 
-    from stages.common.compat.bitsandbytes import CPU_BF16_FLAG
+    from stages.models.compat.bitsandbytes import CPU_BF16_FLAG
 
     assert CPU_BF16_FLAG in inspect.getsource(bnn.Linear4bit), "exact_cpu_kernels: Linear4bit's CPU flag changed"
 
@@ -92,7 +92,7 @@ def test_bitsandbytes_cpu_flag_is_still_the_one_linear4bit_reads():
 def test_transformers_config_keeps_quantization_config_in_its_dict():
     from transformers import PretrainedConfig
 
-    from stages.common.compat.transformers import drop_quantization_config
+    from stages.models.compat.transformers import drop_quantization_config
 
     class Holder:
         config = PretrainedConfig(quantization_config={"quant_method": "bitsandbytes"})

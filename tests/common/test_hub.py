@@ -9,8 +9,8 @@ import huggingface_hub.constants
 import pytest
 from helpers import ROOT
 
-from stages.common.hub import MODEL_PACKAGES, ensure_hub_reachable, install_command
 from stages.engine.errors import HubUnreachableError
+from stages.sources.hub import MODEL_PACKAGES, ensure_hub_reachable, install_command
 
 
 @pytest.fixture

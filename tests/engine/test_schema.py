@@ -1,5 +1,5 @@
 """The schema is the one home of what a config field means: every field describes itself, and
-docs/configuration.md's configuration reference is the schema rendered (stages/engine/reference.py)."""
+docs/configuration.md's configuration reference is the schema rendered (stages/pipeline/reference.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import typing
 
 from pydantic import BaseModel
 
-from stages.engine import reference, schema
+from stages.pipeline import reference, schema
 
-REFRESH = "python -m stages.engine.reference --write"
+REFRESH = "python -m stages.pipeline.reference --write"
 
 
 def schema_models() -> list[type[BaseModel]]:
@@ -23,7 +23,7 @@ def test_every_field_of_every_section_has_a_description():
     assert {schema.PipelineConfig.model_fields[s].annotation for s in schema.SECTIONS} <= set(models)
     missing = [f"{m.__name__}.{name}" for m in models for name, f in m.model_fields.items()
                if not (f.description or "").strip()]
-    assert not missing, f"fields without description= in stages/engine/schema.py: {missing}"
+    assert not missing, f"fields without description= in stages/pipeline/schema.py: {missing}"
 
 
 def test_the_readme_reference_is_the_generated_one():

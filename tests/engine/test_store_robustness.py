@@ -106,13 +106,13 @@ def test_editing_a_helper_reruns_the_stage_that_calls_it(tmp_path):
     assert computed(run_copy()) == {"data", "tokenize"}
     assert computed(run_copy()) == set()
     # special_affixes is a helper of the tokenize stage, in the shared helpers
-    src = proj / "stages" / "common" / "hf.py"
+    src = proj / "stages" / "models" / "hf.py"
     text = src.read_text()
     assert "for i in range(len(full))" in text
     src.write_text(text.replace("for i in range(len(full))", "for i in range(0, len(full))"))
     assert computed(run_copy()) == {"tokenize"}
-    # split_gguf lives in another module (stages/common/hf.py) and is reached through load_tokenizer
-    hf = proj / "stages" / "common" / "hf.py"
+    # split_gguf lives in another module (stages/models/hf.py) and is reached through load_tokenizer
+    hf = proj / "stages" / "models" / "hf.py"
     hf.write_text(hf.read_text().replace('"""(what to pass to from_pretrained, extra kwargs, local path or None',
                                          '"""(what to hand to from_pretrained, extra kwargs, local path or None'))
     assert computed(run_copy()) == {"tokenize"}

@@ -24,8 +24,8 @@ from stages.__main__ import main as stages_main
 from stages.engine.config import load_pipeline
 from stages.engine.runner import execute
 from stages.engine.store import Store
-from stages.engine.tracking import TRACK_ENV, Settings, Tracker
 from stages.graph import GRAPH
+from stages.pipeline.tracking import TRACK_ENV, Settings, Tracker
 
 SETS = (*IMDB, "train.max_steps=6", "train.eval_every=2")
 

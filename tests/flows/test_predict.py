@@ -14,7 +14,7 @@ from helpers import BILLSUM, IMDB, needs_shared_data
 from safetensors.torch import load_file, save_file
 
 from flows.predict import main
-from stages.common.arrow import read_split
+from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data
 
@@ -239,7 +239,7 @@ def test_bytes_that_are_not_utf8_on_the_command_line_are_one_line_exit_2(runs, t
 
 @pytest.mark.parametrize("name", ["reviews.tsv", "reviews.json", "reviews.jsonl.gz"])
 def test_every_format_the_data_stage_reads_gives_the_evaluated_labels(runs, tmp_path, name):
-    """--file takes what data.path takes (stages/common/tables.py), TSV and JSON arrays too."""
+    """--file takes what data.path takes (stages/sources/tables.py), TSV and JSON arrays too."""
     import pandas as pd
 
     texts, expected = evaluated(runs["imdb"])

@@ -32,7 +32,7 @@ from flows.sweep import main as sweep_main
 from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
-from stages.engine.tracking import TRACK_ENV
+from stages.pipeline.tracking import TRACK_ENV
 
 EXTRA = """
   lr-pair:

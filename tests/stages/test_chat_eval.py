@@ -12,12 +12,12 @@ import pytest
 from helpers import ROOT, SHARED_DATA, needs_shared_data, run_pipeline, subprocess_env
 from test_chat import SMOLLM2, data_cfg, frames, pipeline_file, render, trained, write_jsonl
 
-from stages.common import metrics
-from stages.common.hf import load_tokenizer
 from stages.data import check_rows, normalise
 from stages.engine.errors import ConfigError, DataError
-from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
+from stages.methods import metrics
+from stages.models.hf import load_tokenizer
+from stages.pipeline.schema import PipelineConfig
 
 QUESTION = "{text}\n\nIs this movie review positive or negative? Answer with one word."
 TURNS = {"system": "Be brief.", "user": QUESTION, "assistant": "{label}"}

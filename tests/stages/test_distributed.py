@@ -20,12 +20,12 @@ import torch
 from helpers import ROOT, computed, needs_shared_data, run, spawn, subprocess_env
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.common.batching import epoch_batches, shard
-from stages.common.checkpoint import checkpoints
-from stages.common.distributed import LaunchError, free_port, launch
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store, publishing_work
 from stages.train import TrainRun, train_model
+from stages.training.batching import epoch_batches, shard
+from stages.training.checkpoint import checkpoints
+from stages.training.distributed import LaunchError, free_port, launch
 
 HERE = Path(__file__).resolve().parent
 PATHS = [str(HERE), str(HERE.parent)]  # this module and tests/helpers.py, importable in the launched processes
@@ -155,7 +155,7 @@ def test_two_machines_by_1x2_match_one_process_by_1x4_across_a_crash(tmp_path, r
 def test_the_stage_with_two_processes_through_the_store(store_dir):
     """train.num_processes=2 on tiny-imdb: the stage launches itself, rank 0 writes the artifact, the
     manifest reports the effective batch with the processes; a config error inside is the stage's error."""
-    from stages.common.model_loading import load_trained
+    from stages.models.model_loading import load_trained
 
     out = run("tiny-imdb", "train.num_processes=2", "train.max_steps=2", until="train")
     art, m = out["train"].path, out["train"].manifest["metrics"]
@@ -241,8 +241,8 @@ def test_a_crashed_process_is_a_clear_stage_error_and_the_rerun_resumes(tmp_path
 
 
 def test_accelerate_config_must_be_ddp(tmp_path):
-    from stages.common.distributed import check_accelerate_config
     from stages.engine.errors import MissingInputError
+    from stages.training.distributed import check_accelerate_config
 
     with pytest.raises(MissingInputError, match="train.accelerate_config: .* not found; write one with `accelerate config"):
         check_accelerate_config(tmp_path / "none.yaml")

@@ -10,9 +10,9 @@ import helpers
 import pytest
 from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
 
-from stages.common import metrics
-from stages.common.arrow import read_split
-from stages.common.tasks import Classification
+from stages.methods import metrics
+from stages.methods.tasks import Classification
+from stages.sources.arrow import read_split
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
 
@@ -81,7 +81,7 @@ def test_classification_metrics_match_sklearn():
 
 @needs_shared_data
 def test_classifier_pipeline_runs_end_to_end(store, capfd, monkeypatch):
-    monkeypatch.setenv("FINETUNE_PROGRESS", "bar")  # as in a terminal (stages/common/progress.py)
+    monkeypatch.setenv("FINETUNE_PROGRESS", "bar")  # as in a terminal (stages/engine/progress.py)
     from sklearn.metrics import f1_score
 
     # evaluate forced: the store is shared with the other files that use IMDB (tests/stages/conftest.py), and
@@ -143,7 +143,7 @@ def test_seq2seq_pipeline_runs_end_to_end_with_rouge_on_the_real_references(stor
     assert m["examples"] == len(rows) == 20
     again = metrics.rouge([r["prediction"] for r in rows], [r["reference"] for r in rows])
     assert all(abs(m[k] - again[k]) <= 1e-12 for k in metrics.ROUGE_TYPES)
-    from rouge_score import rouge_scorer  # and independently of stages.common.metrics
+    from rouge_score import rouge_scorer  # and independently of stages.methods.metrics
 
     scorer = rouge_scorer.RougeScorer(list(metrics.ROUGE_TYPES), use_stemmer=True)
     scores = [scorer.score(r["reference"], r["prediction"]) for r in rows]
@@ -174,7 +174,7 @@ def test_a_split_the_data_lacks_is_an_error_naming_the_fix(tmp_path):
 
     from stages import evaluate
     from stages.engine.errors import MissingInputError
-    from stages.engine.schema import EvaluateConfig
+    from stages.pipeline.schema import EvaluateConfig
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"id": ["a"], "input_ids": [[1, 2]],
                                                                "labels": [0], "length": [2]})}
@@ -208,7 +208,7 @@ def test_batched_generation_equals_one_at_a_time(decoder_only):
     import torch
     from tiny_train import tiny_t5
 
-    from stages.common.inference import generate, prompt_of
+    from stages.runtimes.inference import generate, prompt_of
 
     if decoder_only:
         from transformers import BloomConfig, BloomForCausalLM
@@ -240,7 +240,7 @@ def test_batched_generation_equals_one_at_a_time(decoder_only):
 
 
 def todays_accuracy(predictions: list[int], references: list[int]) -> float:
-    """The project's accuracy before it used `evaluate` (stages/common/metrics.py at commit 2ed7e19)."""
+    """The project's accuracy before it used `evaluate` (stages/methods/metrics.py at commit 2ed7e19)."""
     return sum(int(p) == int(r) for p, r in zip(predictions, references, strict=True)) / len(references)
 
 

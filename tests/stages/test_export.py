@@ -13,12 +13,12 @@ import torch
 import yaml
 from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
-from stages.common.batching import collate
-from stages.common.compat.bitsandbytes import exact_cpu_kernels
-from stages.common.model_loading import load_model
-from stages.common.tasks import TASKS
 from stages.engine.config import load_pipeline
 from stages.evaluate import load_evaluated
+from stages.methods.tasks import TASKS
+from stages.models.compat.bitsandbytes import exact_cpu_kernels
+from stages.models.model_loading import load_model
+from stages.training.batching import collate
 
 pytestmark = needs_shared_data
 
@@ -176,8 +176,8 @@ def command_reproduces(out: dict, name: str) -> list[str]:
 
 
 def test_what_sits_at_the_top_of_the_folder_and_an_adapter_that_cannot_load_alone():
-    from stages.common.export_layout import top_layout
     from stages.engine.errors import ConfigError
+    from stages.formats.export_layout import top_layout
 
     hub_t5 = ["model.name=acme/tiny-t5", "model.from_config=null"]
     assert top_layout(load_pipeline("tiny-billsum")) == "merged"  # a random-init base: nothing to fetch

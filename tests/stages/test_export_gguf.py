@@ -1,4 +1,4 @@
-"""export.formats: [hf, gguf] (stages/common/gguf_export.py): a causal LM's merged weights converted by llama.cpp's
+"""export.formats: [hf, gguf] (stages/formats/gguf_export.py): a causal LM's merged weights converted by llama.cpp's
 own converter to gguf/model-f16.gguf and model-q8_0.gguf, each checked in llama.cpp (llama-cpp-python) against the
 exported model's greedy generations before the export is committed; a tampered file fails the check (exit 2) and
 nothing is committed; `finetune predict --runtime gguf` gives torch's texts; what cannot work is one line at plan
@@ -18,11 +18,11 @@ from test_chat_export import SMOLLM2, TINY_LLAMA, run, write_pipeline
 
 from flows.predict import main as predict_main
 from stages.__main__ import main as stages_main
-from stages.common import gguf_export
 from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
+from stages.formats import gguf_export
 from stages.graph import GRAPH, check_formats
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}

@@ -1,4 +1,4 @@
-"""export.formats: [hf, onnx] (stages/common/onnx_export.py): the classifier's onnx/model.onnx and model_int8.onnx
+"""export.formats: [hf, onnx] (stages/formats/onnx_export.py): the classifier's onnx/model.onnx and model_int8.onnx
 are checked in onnxruntime against the exported model before the export is committed; a tampered file fails the
 check (exit 2) and nothing is committed; `finetune predict --runtime onnx` gives torch's labels; asking for onnx
 without its extra, or for a task it does not cover, is one line at plan time."""
@@ -14,13 +14,13 @@ from helpers import IMDB, needs_shared_data
 
 from flows.predict import main as predict_main
 from stages.__main__ import main as stages_main
-from stages.common import onnx_export
-from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
+from stages.formats import onnx_export
 from stages.graph import GRAPH
+from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data
 ONNX = (*IMDB, "export.formats=[hf, onnx]", "export.onnx_int8=true")

@@ -1,4 +1,4 @@
-"""export.formats: [hf, onnx] for seq2seq (stages/common/onnx_export.py): a tiny T5's onnx/encoder.onnx and
+"""export.formats: [hf, onnx] for seq2seq (stages/formats/onnx_export.py): a tiny T5's onnx/encoder.onnx and
 decoder.onnx generate greedily in onnxruntime the token ids torch generates (checked before commit; int8
 reported), each row stopping at its end token; `finetune predict --runtime onnx` prints torch's texts; a tampered
 decoder.onnx fails the check with nothing committed; beams under --runtime onnx are one line."""
@@ -13,13 +13,13 @@ import pytest
 from helpers import BILLSUM, needs_shared_data
 
 from flows.predict import main as predict_main
-from stages.common import onnx_export
-from stages.common.arrow import read_split
 from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
+from stages.formats import onnx_export
 from stages.graph import GRAPH
+from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data
 ONNX = (*BILLSUM, "export.formats=[hf, onnx]", "export.onnx_int8=true")
@@ -36,7 +36,7 @@ def test_the_seq2seq_onnx_files_generate_as_torch_and_predict_prints_its_texts(e
     import torch
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
-    from stages.common.onnx_export import runtime_model
+    from stages.formats.onnx_export import runtime_model
 
     out, _, cfg = exported
     folder = out["export"].path

@@ -17,7 +17,7 @@ import torch
 import transformers
 from helpers import BILLSUM, IMDB, needs_shared_data
 
-from stages.common.arrow import read_split
+from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data
 
@@ -87,8 +87,8 @@ def reproduce(out: dict, tmp_path: Path, **env: str) -> None:
 def evaluated_logits(out: dict, n: int) -> torch.Tensor:
     import datasets
 
-    from stages.common.inference import class_logits
     from stages.evaluate import load_evaluated
+    from stages.runtimes.inference import class_logits
 
     rows = datasets.load_from_disk(str(out["tokenize"].path / "dataset"))["test"]["input_ids"][:n]
     model = load_evaluated(out["model"].path, out["adapters"].path, out["train"].path)

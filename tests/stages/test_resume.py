@@ -15,9 +15,9 @@ import pytest
 import torch
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
-from stages.common.checkpoint import checkpoints, latest_checkpoint
-from stages.common.runlog import read_metrics
 from stages.train import TrainRun, train_model
+from stages.training.checkpoint import checkpoints, latest_checkpoint
+from stages.training.runlog import read_metrics
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

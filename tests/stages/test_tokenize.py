@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from stages.common.hf import special_affixes
-from stages.common.hub import resolve_local
-from stages.common.tokens import IGNORE_INDEX, encode, prompt_then_target
+from stages.models.hf import special_affixes
+from stages.sources.hub import resolve_local
+from stages.text.tokens import IGNORE_INDEX, encode, prompt_then_target
 from stages.tokenize import length_stats
 
 

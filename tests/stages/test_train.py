@@ -21,12 +21,12 @@ from tiny_train import (
     window_grads,
 )
 
-from stages.common.batching import collate
-from stages.common.checkpoint import checkpoints
-from stages.common.optim import OPTIMIZERS, lr_factor
-from stages.common.tasks import TASKS
-from stages.engine.schema import TrainConfig
+from stages.methods.tasks import TASKS
+from stages.pipeline.schema import TrainConfig
 from stages.train import train_model
+from stages.training.batching import collate
+from stages.training.checkpoint import checkpoints
+from stages.training.optim import OPTIMIZERS, lr_factor
 
 log = logging.getLogger("test.train")
 
@@ -163,7 +163,7 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
     read back by load_trained with the trained weights; a second run is a cache hit."""
     from safetensors.torch import load_file
 
-    from stages.common.model_loading import load_trained
+    from stages.models.model_loading import load_trained
 
     sets = ("train.max_steps=3", "train.log_every=1")
     out = run(pipeline, *sets, until="train")
@@ -194,17 +194,17 @@ def test_stage_through_the_store_and_load_trained(pipeline, store_dir):
 
 def cpu_with(monkeypatch, **caps: bool) -> None:
     """This process sees a CPU with these flags (/proc/cpuinfo's names), its bf16 units detected from them."""
-    from stages.common import precision
-    from stages.common.precision import UNITS_ENV
+    from stages.models import precision
+    from stages.models.precision import UNITS_ENV
 
     monkeypatch.delenv(UNITS_ENV, raising=False)  # the suite names none (tests/conftest.py): detect instead
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx512f", "avx2", *(k for k, v in caps.items() if v)})
 
 
 def test_mixed_precision_auto_follows_the_cpus_bf16_units_and_the_gpu(tmp_path, monkeypatch):
-    from stages.common.device import resolve_precision
-    from stages.common.precision import UNITS_ENV
     from stages.engine.errors import ConfigError
+    from stages.models.precision import UNITS_ENV
+    from stages.training.device import resolve_precision
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     cpu_with(monkeypatch, avx512_bf16=True, amx_bf16=False)
@@ -263,8 +263,8 @@ def test_a_quantized_models_auto_compute_dtype_is_resolved_into_the_model_key(mo
     unquantized model (which does not use it) keeps `auto` in its key."""
     from helpers import plan
 
-    from stages.common import precision
     from stages.engine.config import load_pipeline
+    from stages.models import precision
 
     def model_key(*sets: str):
         return next(p.key for p in plan(load_pipeline("tiny-imdb", list(sets))) if p.stage.name == "model")

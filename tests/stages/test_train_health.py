@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 import stages.train as train_stage
-from stages.common.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
-from stages.common.health import Watchdog
-from stages.common.interrupt import DeferredStop
-from stages.common.runlog import read_metrics
-from stages.common.tasks import Classification
 from stages.engine.errors import DivergenceError, FinetuneError
+from stages.methods.tasks import Classification
 from stages.train import train_model
+from stages.training.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
+from stages.training.health import Watchdog
+from stages.training.interrupt import DeferredStop
+from stages.training.runlog import read_metrics
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -260,7 +260,7 @@ def test_select_best_on_validation_macro_f1_keeps_the_weights_that_score_it(stor
     trained/ weights score the best value on the validation split, recomputed here by hand."""
     import datasets
 
-    from stages.common.model_loading import load_trained
+    from stages.models.model_loading import load_trained
 
     sets = ["data.subset={train: 48, validation: 16, test: 8}", "train.max_steps=8", "train.lr=1e-2",
             "train.eval_every=2", "train.select_best={metric: val_macro_f1}"]
@@ -306,7 +306,7 @@ def ddp_early(args: dict) -> dict:
 
 
 def test_two_processes_stop_early_together_with_the_same_best(tmp_path):
-    from stages.common.distributed import launch
+    from stages.training.distributed import launch
 
     torch.set_num_threads(1)
     ref, ref_weights = train_early(tmp_path / "ref-work", tmp_path / "ref-out")
