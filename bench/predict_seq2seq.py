@@ -43,7 +43,7 @@ def main() -> int:
 
     from stages.formats import onnx_export
     from stages.models.hf import pretrained_source
-    from stages.runtimes.inference import generate
+    from stages.models.inference import generate
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -16,9 +16,9 @@ from torch import nn
 
 from stages.engine.errors import ConfigError
 from stages.engine.stage import StageContext
-from stages.methods.tasks import task_of
 from stages.models import memory
 from stages.models.compat.peft import peft_dispatch
+from stages.models.heads import head_named
 from stages.models.model_loading import ADAPTERS_INFO, count_parameters, load_info, load_model, save_adapter
 from stages.pipeline.schema import AdaptersConfig
 
@@ -47,12 +47,12 @@ def check_targets(model: nn.Module, target_modules: list[str], modules_to_save: 
         raise ConfigError("; ".join(problems))
 
 
-def lora_config(a: AdaptersConfig, task: str) -> Any:
+def lora_config(a: AdaptersConfig, head: str) -> Any:
     from peft import LoraConfig
 
     return LoraConfig(r=a.r, lora_alpha=a.alpha,
                       lora_dropout=a.dropout, target_modules=list(a.target_modules),
-                      modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=task_of(task).peft_task_type)
+                      modules_to_save=list(a.modules_to_save) or None, bias=a.bias, task_type=head_named(head).peft_task_type)
 
 
 def lora_module_names(model: nn.Module) -> list[str]:
@@ -84,7 +84,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if quantized:
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         torch.manual_seed(a.init_seed)
-        peft_model = peft.get_peft_model(model, lora_config(a, info["task"]))
+        peft_model = peft.get_peft_model(model, lora_config(a, info["head"]))
     save_adapter(peft_model, ctx.out_dir / "adapter")
     trainable, total = count_parameters(peft_model)
     wrapped = lora_module_names(peft_model)
@@ -92,7 +92,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
              "lora_modules": len(wrapped), "lora_targets": sorted({n.rsplit(".", 1)[-1] for n in wrapped}),
              "modules_to_save": sorted(peft_model.modules_to_save or []),
              "footprint_bytes": int(peft_model.get_memory_footprint())}
-    (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps({"method": "lora", "task": info["task"]}, indent=2, sort_keys=True))
+    (ctx.out_dir / ADAPTERS_INFO).write_text(json.dumps({"method": "lora", "head": info["head"]}, indent=2, sort_keys=True))
     ctx.log.info("adapters: lora on %d modules (%s), trainable %s of %s (%.2f%%)", len(wrapped),
                  ", ".join(facts["lora_targets"]), f"{trainable:,}", f"{total:,}", facts["percent"])
     return facts

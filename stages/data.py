@@ -24,7 +24,7 @@ from stages.engine.config import inherited_from
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
 from stages.engine.stage import StageContext
-from stages.methods.tasks import data_of
+from stages.methods import data_of
 from stages.pipeline.schema import DataConfig, PipelineConfig
 from stages.sources.hub import ensure_hub_reachable, hub_identity
 from stages.sources.tables import (
@@ -254,10 +254,10 @@ def check_local_labels(cfg: Any, names: list[str] | None, n: int) -> None:
 
 
 def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
-    """seq_cls: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
+    """classify: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
     labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
     they use. A count that contradicts the names is a ConfigError naming both."""
-    if not data_of(cfg.model.task).classifies:
+    if not data_of(cfg.method.name).classifies:
         return cfg
     names, n = cfg.data.label_names, cfg.model.num_labels
     if names is None:
@@ -326,23 +326,23 @@ def check_fields(turns: Mapping[Any, str], columns_: list[str], where: str, orig
 ALPACA_FIX = "data.format alpaca reads instruction, input (optional) and output"
 
 
-def named_columns(d: DataConfig, task: str | None) -> list[tuple[str, str, str]]:
+def named_columns(d: DataConfig, method: str | None) -> list[tuple[str, str, str]]:
     """(setting, column, fix) for every column the data stage reads of a source for data.format (columns: for
-    `task`; None: the conversation formats only). A column setting the task needs but left null: ConfigError."""
+    `method`; None: the conversation formats only). A column setting the method needs but left null: ConfigError."""
     if d.format == "alpaca":
         return [("data.format", c, ALPACA_FIX) for c in ("instruction", "output")]
     if d.format == "messages":
         return [("data.messages_column", d.messages_column, "set data.messages_column to the column holding the "
                  "conversations")]
-    if d.format == "conversation" or task is None:
+    if d.format == "conversation" or method is None:
         return []  # conversation: the columns data.conversation names (check_fields)
-    facts = data_of(task)
+    facts = data_of(method)
     need = facts.required_columns(d, facts.target_column(d, DEFAULT_TARGET.get(d.source)))
     if d.target_column:  # named: read as the target when the file has it, so a misspelt one must not go unnoticed
         need.setdefault("data.target_column", d.target_column)
     for key, col in need.items():
         if col is None:
-            raise ConfigError(f"{key} is not set but task {task} needs it; set it in pipeline.yaml")
+            raise ConfigError(f"{key} is not set but method {method} needs it; set it in pipeline.yaml")
     return [(key, col, f"set {key} to one of them") for key, col in need.items() if col is not None]
 
 
@@ -380,8 +380,8 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     messages or alpaca) keep their turns in `messages`; text and target are their last exchange."""
     import pandas as pd
 
-    d, task = cfg.data, data_of(cfg.model.task)
-    target_col = task.target_column(d, DEFAULT_TARGET.get(d.source))
+    d, needs = cfg.data, data_of(cfg.method.name)
+    target_col = needs.target_column(d, DEFAULT_TARGET.get(d.source))
     out = {}
     for split, df in frames.items():
         if d.format != "columns":
@@ -391,12 +391,12 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
             out[split] = pd.DataFrame({"id": ids.to_numpy(), "text": [a for a, _ in last],
                                        "target": [b for _, b in last], "messages": turns})
             continue
-        check_columns(f"{split} split", [str(c) for c in df.columns], named_columns(d, cfg.model.task))
-        need = task.required_columns(d, target_col)
+        check_columns(f"{split} split", [str(c) for c in df.columns], named_columns(d, cfg.method.name))
+        need = needs.required_columns(d, target_col)
         refuse_structured(df, need, d, split)
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
         cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
-        if task.classifies:
+        if needs.classifies:
             cols["label"] = label_ids(df[d.label_column], d.label_names, cfg.model.num_labels, split)
         if target_col and target_col in df.columns:
             cols["target"] = df[target_col].astype(str).to_numpy()
@@ -454,16 +454,15 @@ def split(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.
 
 
 def check_rows(cfg: PipelineConfig) -> None:
-    """Before any stage runs: conversations need a task that renders them; every column data.* names is in the
+    """Before any stage runs: conversations need a method that renders them; every column data.* names is in the
     source's header (a local file's or the mirror's, read to the header); a local file's rows are what
     data.format says (each conversation well formed; no list or dict where text is expected), and there are
     enough of them for data.split. Each refused with one line naming the file (its line and field) and the fix."""
     d = cfg.data
-    if d.format != "columns" and not data_of(cfg.model.task).chats:
+    if d.format != "columns" and not data_of(cfg.method.name).chats:
         raise ConfigError(f"data.format {d.format}: conversations are rendered with a chat template for "
-                          f"model.task causal_lm, not {cfg.model.task}; set model.task: causal_lm or "
-                          f"data.format: columns")
-    needed = named_columns(d, cfg.model.task)
+                          f"method sft, not {cfg.method.name}; set method: sft or data.format: columns")
+    needed = named_columns(d, cfg.method.name)
     if not (d.source == "local" or d.path):  # the mirror's files' headers, or the columns the hub's dataset has
         files = mirror_files(d)
         sources = [(str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns))) for f in files]
@@ -479,7 +478,7 @@ def check_rows(cfg: PipelineConfig) -> None:
     rows: dict[str, int] = {}
     for f in tables:
         _check_header(cfg, str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)), needed)
-        n = _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.model.task)
+        n = _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.method.name)
         split_name = "train" if f == path else _split_of(f.name) or "train"
         rows[split_name] = rows.get(split_name, 0) + n
     check_split_rows(cfg, rows, path.name if path.is_file() else f"{path}'s files")
@@ -524,14 +523,14 @@ def check_split_rows(cfg: PipelineConfig, rows: dict[str, int], where: str) -> N
 
 
 @functools.lru_cache(maxsize=32)
-def _check_file(path: str, size: int, mtime_ns: int, data_json: str, task: str) -> int:
+def _check_file(path: str, size: int, mtime_ns: int, data_json: str, method: str) -> int:
     """check_rows for one file version and data section (plans run often; a file is read once): its rows."""
     f, d = Path(path), DataConfig.model_validate_json(data_json)
     df = read_table(f)
     if d.format != "columns":
         conversations(df, d, "train", f)
         return len(df)
-    facts = data_of(task)
+    facts = data_of(method)
     refuse_structured(df, facts.required_columns(d, facts.target_column(d, None)), d, "train", f)
     return len(df)
 
@@ -574,7 +573,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if "label" in df:
             stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
                                                      df["label"].value_counts().sort_index().items()}
-    if data_of(cfg.model.task).classifies and cfg.data.label_names:
+    if data_of(cfg.method.name).classifies and cfg.data.label_names:
         stats["label_names"] = list(cfg.data.label_names)
     ctx.log.info("data: %s rows from %s", stats["rows"], origin)
     return stats

@@ -5,14 +5,14 @@
                               the `evaluate` section) -> ROUGE-1/2/L/Lsum with stemming
     causal_lm                 with a target: generation after the prompt -> ROUGE; without: perplexity
 
-each computed by the task's object (stages/methods/tasks.py: Task.evaluate).
+each computed by the pipeline's method (stages/methods/: Method.evaluate).
 
-The scores come from the `evaluate` modules `evaluate.metrics` names (default: the task's; the project's
+The scores come from the `evaluate` modules `evaluate.metrics` names (default: the method's; the project's
 offline accuracy / f1 / rouge modules, stages/methods/metrics.py); the confusion matrix is computed here.
 
 References for ROUGE are the data stage's target texts (untruncated, original case), not the tokenized
 labels. Rows are batched longest first (little padding; an out-of-memory error shows on the first batch) by
-stages/runtimes/inference.py, which `flows.predict` shares; predictions are written in split order.
+stages/models/inference.py, which `flows.predict` shares; predictions are written in split order.
 
 Artifact: `metrics.json` ({split: metrics}) and `predictions.jsonl` (one line per example: split, id,
 prediction, reference; a classifier's as class names when the data names them, with prediction_id and
@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import MissingInputError
 from stages.engine.stage import StageContext
-from stages.methods import metrics
-from stages.methods.tasks import Task, task_of
+from stages.methods import method_in, metrics
+from stages.methods.base import Method
 from stages.models.compat.bitsandbytes import exact_cpu_kernels
 from stages.models.hf import load_tokenizer
+from stages.models.inference import device_for
 from stages.models.model_loading import load_model, load_trained
 from stages.pipeline.schema import EvaluateConfig
-from stages.runtimes.inference import device_for
 from stages.sources.arrow import read_split
 from stages.training.device import autocast, resolve_precision
 
@@ -96,7 +96,7 @@ def untuned(model: HFModel, model_dir: Path) -> Iterator[HFModel]:
 
 
 def evaluate_splits(model: HFModel, ds: Any, *, tok: Any, gen: dict[str, Any], scores: list[str], e: EvaluateConfig,
-                    names: list[str] | None, task: Task, device: Any, data_dir: Path, out: Path, label: str,
+                    names: list[str] | None, method: Method, device: Any, data_dir: Path, out: Path, label: str,
                     logger: logging.Logger) -> dict[str, Any]:
     """{split: metrics} of `model` on evaluate.splits, its predictions written to `out` (one line each)."""
     results: dict[str, Any] = {}
@@ -107,7 +107,7 @@ def evaluate_splits(model: HFModel, ds: Any, *, tok: Any, gen: dict[str, Any], s
                 part = part.select(range(min(e.max_examples, len(part))))
             rows = part.to_dict()
             ids = [str(x) for x in rows["id"]]
-            results[split], preds, refs = task.evaluate(
+            results[split], preds, refs = method.evaluate(
                 model, rows, tok=tok, gen=gen, scores=scores, batch_size=e.batch_size, device=device,
                 desc=f"{label} {split}", log=log, targets=functools.partial(references, data_dir, split, ids))
             if preds is None:  # nothing predicted (a causal LM without targets: perplexity)
@@ -127,7 +127,7 @@ def evaluate_splits(model: HFModel, ds: Any, *, tok: Any, gen: dict[str, Any], s
 def run(ctx: StageContext) -> dict[str, Any]:
     import datasets
 
-    e, task = ctx.cfg.evaluate, task_of(ctx.cfg.model.task)
+    e, method = ctx.cfg.evaluate, method_in(ctx.cfg)
     tok_dir = ctx.upstream["tokenize"]
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     missing = [s for s in e.splits if s not in ds]
@@ -139,12 +139,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     device = device_for(model)
     precision = resolve_precision(ctx.cfg.train.mixed_precision, device)  # training's, resolved at plan
     ctx.log.info("evaluate: device %s, precision %s (%s)", device, precision.name, precision.reason)
-    gen = task.generation(e, tok, model)
-    scores = metrics.metric_names(e.metrics, task)
+    gen = method.generation(e, tok, model)
+    scores = metrics.metric_names(e.metrics, method)
     names = ctx.upstream_manifests["data"].get("metrics", {}).get("label_names")  # seq_cls: id -> class name
 
     def evaluated(which: Any, file: str, label: str) -> dict[str, Any]:
-        return evaluate_splits(which, ds, tok=tok, gen=gen, scores=scores, e=e, names=names, task=task,
+        return evaluate_splits(which, ds, tok=tok, gen=gen, scores=scores, e=e, names=names, method=method,
                                device=device, data_dir=ctx.upstream["data"], out=ctx.out_dir / file,
                                label=label, logger=ctx.log)
 
@@ -158,6 +158,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if baseline is not None:
         (ctx.out_dir / "baseline_metrics.json").write_text(json.dumps(baseline, indent=2, sort_keys=True))
     extra = {"baseline": baseline} if baseline is not None else {}
-    return {"task": task.name, "splits": results, **extra, **({"label_names": names} if names else {}),
+    return {"method": method.name, "splits": results, **extra, **({"label_names": names} if names else {}),
             "precision": precision.name, "precision_reason": precision.reason,
             "generation": {k: v for k, v in gen.items() if k not in ("eos_token_id", "pad_token_id")}}

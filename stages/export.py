@@ -38,7 +38,8 @@ from stages.engine.fingerprint import canonical_json
 from stages.engine.stage import StageContext, select
 from stages.formats import gguf_export, onnx_export
 from stages.formats.export_layout import hub_base, top_layout
-from stages.methods.tasks import Task, task_of
+from stages.methods import method_of
+from stages.methods.base import Method
 from stages.models.compat.peft import peft_dispatch
 from stages.models.compat.transformers import drop_quantization_config
 from stages.models.hf import load_tokenizer
@@ -115,12 +116,12 @@ def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tupl
                     "untied_lm_head": untied}
 
 
-def generation_config(model_dir: Path, e: Any, tok: Any, task: Task) -> Any:
+def generation_config(model_dir: Path, e: Any, tok: Any, method: Method) -> Any:
     """The base's generation config with the evaluate stage's settings (greedy or beams, max_new_tokens, the
-    closing special as end token): what evaluate generated with. None for a task that does not generate."""
+    closing special as end token): what evaluate generated with. None for a method that does not generate."""
     from transformers import AutoConfig, GenerationConfig
 
-    if not task.generates:
+    if not method.head.generates:
         return None
     folder = Path(model_dir) / "model" if (Path(model_dir) / "model" / LOAD_INFO).is_file() else Path(model_dir)
     config = AutoConfig.from_pretrained(str(folder))
@@ -128,7 +129,7 @@ def generation_config(model_dir: Path, e: Any, tok: Any, task: Task) -> Any:
         gen = GenerationConfig.from_pretrained(str(folder))
     except OSError:
         gen = GenerationConfig.from_model_config(config)
-    gen.update(**task.generation(e, tok, _Configured(config)))
+    gen.update(**method.generation(e, tok, _Configured(config)))
     return gen
 
 
@@ -137,7 +138,7 @@ class _Configured:
         self.config = config
 
 
-def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: Task) -> Any:
+def save_tokenizer(tok_dir: Path, out: Path, t: Any, method: Method) -> Any:
     """The tokenize stage's tokenizer (with the chat template conversations were rendered with), truncating at
     tokenize.max_length by default (model_max_length), giving input_ids + attention_mask, padding decoder-only
     prompts on the left. (save_pretrained writes what init_kwargs hold: the attribute alone would not ship,
@@ -146,7 +147,7 @@ def save_tokenizer(tok_dir: Path, out: Path, t: Any, task: Task) -> Any:
     tok.model_max_length = t.max_length
     # the stages feed the model these two only (a BERT tokenizer on a T5 / BLOOM would add token_type_ids)
     tok.model_input_names = tok.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
-    if task.decoder_only:
+    if method.head.decoder_only:
         tok.padding_side = tok.init_kwargs["padding_side"] = "left"
     tok.save_pretrained(str(out))
     return tok
@@ -156,7 +157,7 @@ def chat_facts(tokenized: dict[str, Any], tok: Any, out: Path) -> dict[str, Any]
     """A chat export's: the file holding the template the conversations were rendered with (save_pretrained
     writes chat_template.jinja, or the template inside tokenizer_config.json) and the end-of-turn token
     generation stops at. None when the tokenize stage rendered no conversations."""
-    from stages.runtimes.inference import end_of_turn
+    from stages.models.inference import end_of_turn
 
     rendered = (tokenized.get("metrics") or {}).get("chat")
     if not rendered:
@@ -229,12 +230,12 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     import yaml
 
     m, d = sections["model"], sections["data"]
-    task = task_of(m["task"]).pipeline_tag
+    tag = method_of(sections["method"]["name"]).head.pipeline_tag
     meta: dict[str, Any] = {}
     if revision is not None:  # a hub base: its id (the revision is the adapter config's)
         meta["base_model"] = m["name"]
     meta["library_name"] = "peft" if fmt == "adapter" else "transformers"
-    meta["pipeline_tag"] = task
+    meta["pipeline_tag"] = tag
     meta["tags"] = ["finetune"] + (["lora"] if sections["adapters"]["method"] == "lora" else [])
     dataset = d.get("hub_id") or HUB_DATASETS.get(d["source"])
     if dataset:
@@ -243,37 +244,37 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     if names:
         meta["metrics"] = names
         meta["model-index"] = [{"name": name, "results": [
-            {"task": {"type": task}, "dataset": {"name": dataset or d["source"], "type": dataset or d["source"],
+            {"task": {"type": tag}, "dataset": {"name": dataset or d["source"], "type": dataset or d["source"],
                                                  "split": split},
              "metrics": [{"type": k, "name": f"{split} {k}", "value": round(float(v), 6)} for k, v in vals.items()]}
             for split, vals in evaluated.items()]}]
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def usage_snippet(task: Task, fmt: str, prefix: str, chat: bool = False) -> str:
-    """Python that loads the folder with transformers (+ peft) alone and runs it on the task's example texts
+def usage_snippet(method: Method, fmt: str, prefix: str, chat: bool = False) -> str:
+    """Python that loads the folder with transformers (+ peft) alone and runs it on the method's example texts
     (`chat`: a batch of conversations rendered with the chat template); run it from the export folder (or set
     `folder` to its path)."""
-    cls = task.auto_peft_class if fmt == "adapter" else task.auto_class
+    cls = method.head.auto_peft_class if fmt == "adapter" else method.head.auto_class
     lib = "peft" if fmt == "adapter" else "transformers"
     lines = ["import torch"]
     if fmt == "adapter":
         lines += [f"from peft import {cls}", "from transformers import AutoTokenizer"
-                  + (", GenerationConfig" if task.generates else "")]
+                  + (", GenerationConfig" if method.head.generates else "")]
     else:
         lines += [f"from {lib} import AutoTokenizer, {cls}"]
-    pads = "  # pads on the left" if task.decoder_only else ""
+    pads = "  # pads on the left" if method.head.decoder_only else ""
     lines += ["", 'folder = "."  # this export folder', f"tok = AutoTokenizer.from_pretrained(folder){pads}",
               f"model = {cls}.from_pretrained(folder).eval()"]
     if chat:  # the template the model was tuned with (chat_template.jinja), its assistant cue at the end
-        lines += ["conversations = ["] + [f"    {json.dumps(c)}," for c in task.chat_examples] + ["]",
+        lines += ["conversations = ["] + [f"    {json.dumps(c)}," for c in method.chat_examples] + ["]",
                   "batch = tok.apply_chat_template(conversations, add_generation_prompt=True, padding=True, "
                   "return_tensors=\"pt\")"]
     else:
         inputs = f"[{prefix!r} + t for t in texts]" if prefix else "texts"
-        lines += [f"texts = {task.examples!r}",
+        lines += [f"texts = {method.examples!r}",
                   f"batch = tok({inputs}, truncation=True, padding=True, return_tensors=\"pt\")"]
-    return "\n".join(lines + task.usage_lines(fmt))
+    return "\n".join(lines + method.usage_lines(fmt))
 
 
 FILES = {
@@ -291,28 +292,28 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
     """The model card; `chat`: a chat export's facts (its template file, the end-of-turn token)."""
     import yaml
 
-    m, task = sections["model"], task_of(sections["model"]["task"])
+    m, method = sections["model"], method_of(sections["method"]["name"])
     lines = [front_matter(name, sections, fmt, revision, evaluated) + f"# {name}", ""]
     if description:
         lines += [description, ""]
     base = f"`{m['name']}`" + (f" (hub, commit `{revision}`)" if revision else
                                 " (not on a hub: the weights at the top of this folder stand alone)")
-    lines += [f"Task `{task.name}`, base model {base}, adapters `{sections['adapters']['method']}`, quantization "
+    lines += [f"Method `{method.name}`, base model {base}, adapters `{sections['adapters']['method']}`, quantization "
               f"`{sections['quantization']['mode']}`.", ""]
     if evaluated:
         lines += ["## Evaluation", "", "| split | metric | value |", "|---|---|---|"]
         lines += [f"| {s} | {k} | {round(float(v), 4)} |" for s, vals in evaluated.items() for k, v in vals.items()]
         lines += [""]
     deq = f", dequantized from {facts['dequantized_from']}" if facts.get("dequantized_from") else ""
-    top = FILES[fmt].format(dtype=facts.get("dtype", "float32"), deq=deq, auto=task.auto_class,
-                            peft=task.auto_peft_class, base=m["name"], rev=revision)
+    top = FILES[fmt].format(dtype=facts.get("dtype", "float32"), deq=deq, auto=method.head.auto_class,
+                            peft=method.head.auto_peft_class, base=m["name"], rev=revision)
     lines += ["## Files", "", f"- top of the folder: {top}; tokenizer files (truncating at "
               f"{sections['tokenize']['max_length']} tokens)"]
     lines += [f"- `{k}/`: {v}" for k, v in extra.items()]
     lines += [f"- `{PIPELINE_YAML}`: this pipeline for `--config` (every in-key setting that is not a default); "
               f"`{PIPELINE_JSON}`: every in-key setting",
               "- `README.md`: this card", ""]
-    names = sections["data"].get("label_names") if task.classifies else None
+    names = sections["data"].get("label_names") if method.head.classifies else None
     if names:  # also the exported config's id2label / label2id
         lines += ["## Labels", "", "| id | label |", "|---|---|"] + [f"| {i} | {n} |" for i, n in enumerate(names)]
         lines += [""]
@@ -322,7 +323,7 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
                   f"`generation_config.json` stops each answer at `{chat['end_of_turn']}`, the token that closes an "
                   "assistant turn; the tokenizer pads a batch on the left.", ""]
     lines += ["With torch, transformers" + (" and peft" if fmt == "adapter" else "") + " installed, from this folder:",
-              "", "```python", usage_snippet(task, fmt, sections["tokenize"]["prefix"], bool(chat)), "```", ""]
+              "", "```python", usage_snippet(method, fmt, sections["tokenize"]["prefix"], bool(chat)), "```", ""]
     if chat:
         lines += ["Or with finetune installed, batched: `finetune predict FOLDER --chat \"a question\" "
                   "[--system \"...\"]`, or `--file conversations.jsonl --messages-column messages` (each line a "
@@ -364,17 +365,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
     model_dir, train_dir = ctx.upstream["model"], ctx.upstream["train"]
     trained = train_dir / "trained"
     dtype = DTYPES[x.merged_dtype]
-    task, method = task_of(cfg.model.task), cfg.adapters.method
+    method, adapting = method_of(cfg.method.name), cfg.adapters.method
     fmt = top_layout(cfg)
     revision = pinned_revision(ctx) if hub_base(cfg.model) else None
-    tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, task)
-    gen = generation_config(model_dir, cfg.evaluate, tok, task)
+    tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, method)
+    gen = generation_config(model_dir, cfg.evaluate, tok, method)
     extra: dict[str, str] = {}
-    facts: dict[str, Any] = {"method": method, "layout": fmt, "base_revision": revision}
+    facts: dict[str, Any] = {"method": adapting, "layout": fmt, "base_revision": revision}
     chat = chat_facts(ctx.upstream_manifests["tokenize"], tok, out)
     if chat:
         facts["chat"] = chat
-    if method == "lora":
+    if adapting == "lora":
         if fmt == "adapter":
             export_adapter(trained, out, cfg.model.name, revision)
             if gen is not None:
@@ -391,7 +392,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 tok.save_pretrained(str(where))
                 extra["merged"] = f"the base with the LoRA merged in, {x.merged_dtype}, safetensors + tokenizer"
             facts.update(merged=True, dtype=x.merged_dtype, **more)
-    elif method == "full":
+    elif adapting == "full":
         if not (trained / LOAD_INFO).is_file():
             raise ConfigError(f"{trained}: not a full-finetune model; rerun the train stage")
         loaded: Any = load_trained(model_dir, ctx.upstream["adapters"], train_dir)  # (PreTrainedModel.to's stub)
@@ -400,7 +401,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         save_hf(model, out, gen)
         facts.update(dtype=x.merged_dtype)
     else:  # pragma: no cover - AdaptersConfig allows only these
-        raise ConfigError(f"adapters.method {method}: cannot export")
+        raise ConfigError(f"adapters.method {adapting}: cannot export")
     (out / LOAD_INFO).unlink(missing_ok=True)
     if "onnx" in x.formats:  # from the folder just written, checked in onnxruntime before anything is committed
         facts["onnx"] = onnx_export.export_checked(out, ctx.upstream["tokenize"], cfg.evaluate.splits, x.onnx_int8,

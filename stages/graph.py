@@ -1,5 +1,6 @@
 """The stage graph: each stage's body, the config fields it reads, its upstream and its input files.
-Every pipeline runs this chain; `--until`, `--only` and `--force` pick parts of it (`GRAPH.plan`).
+A pipeline runs the core chain below plus the stages its method adds (`graph_for`: a graph per pipeline);
+`--until`, `--only` and `--force` pick parts of it (`GRAPH.plan`, which plans each config on its own graph).
 
 The bodies are named, not imported (Lazy): planning, and a run where every stage is a store hit, import no
 torch or transformers. The engine never imports this module: commands plan with `GRAPH` and hand the plan
@@ -7,13 +8,21 @@ to the engine (stages/engine/runner.py executes it)."""
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
 from stages import data
 from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph
 from stages.engine.stage import Lazy, Stage
 from stages.formats import export_layout, gguf_export, onnx_export
+from stages.methods import BUILTIN, method_in, method_of, user_file
+from stages.methods.base import Method
 from stages.methods.metrics import metric_files, validation_metric_files
-from stages.methods.tasks import task_of
 from stages.models.hf import (
     check_model_folder,
     check_tokenizer_folder,
@@ -25,7 +34,6 @@ from stages.models.hf import (
 from stages.models.precision import resolve_compute_dtype, resolve_mixed_precision
 from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
 from stages.text import chat
-from stages.text.packing import check_packing
 from stages.training import distributed
 from stages.training.train_checks import check_config
 
@@ -50,11 +58,16 @@ def check_formats(cfg: PipelineConfig) -> None:
     export_layout.top_layout(cfg)  # raises where the adapter at the top could not load alone
 
 
-GRAPH = Graph([
+def check_training(cfg: PipelineConfig) -> None:
+    check_config(cfg, data.makes_validation(cfg))
+    method_in(cfg).check(cfg)
+
+
+CORE = Graph([
     Stage(
         name="data",
         body=data.run,
-        reads=("data", "model.task", "model.num_labels"),
+        reads=("data", "method.name", "model.num_labels"),
         inputs=data.source_files,
         deps=data.source_deps,
         resolve=data.resolve_labels,  # data.label_names / model.num_labels from the data when left null
@@ -66,11 +79,11 @@ GRAPH = Graph([
     Stage(
         name="tokenize",
         body=Lazy("stages.tokenize", "run"),
-        reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
+        reads=("tokenize", "model.name", "model.revision", "model.gguf_file", "method.name",
                "model.trust_remote_code"),
         upstream=("data",),
         inputs=lambda cfg: tokenizer_files(cfg) + chat.template_files(cfg),  # a chat template file: its content
-        check=check_packing,  # tokenize.packing for a task that packs
+        check=lambda cfg: method_in(cfg).check(cfg),  # the method's settings against the pipeline's
         deps=tokenizer_deps,
         hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
                 "hub answers",
@@ -98,7 +111,7 @@ GRAPH = Graph([
     Stage(
         name="train",
         body=Lazy("stages.train", "run"),
-        reads=("train", "model.task"),
+        reads=("train", "method"),
         joins=lambda cfg: distributed.joining(cfg.train),  # machine_rank > 0: trains with machine 0, commits nothing
         upstream=("tokenize", "model", "adapters"),
         inputs=validation_metric_files,  # select_best's metric module (val_macro_f1, val_rouge*), loaded by path
@@ -107,16 +120,16 @@ GRAPH = Graph([
         volatile=("metrics.jsonl", "tensorboard/*", "loss.png"),  # timings and event-file names: not the weights
         history="metrics.jsonl",  # a tracked run's step metrics (loss, lr, grad norm, tokens/s, validation)
         tracked=("loss.png",),
-        check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
+        check=check_training,  # every train setting and the method's, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
     ),
     Stage(
         name="evaluate",
         body=Lazy("stages.evaluate", "run"),
         # its own section: changing beams / max_new_tokens / splits reruns this stage only
-        reads=("evaluate", "model.task", "train.mixed_precision"),  # its forward passes' autocast
+        reads=("evaluate", "method", "train.mixed_precision"),  # its forward passes' autocast
         upstream=("data", "tokenize", "model", "adapters", "train"),  # data: untruncated reference texts
-        inputs=lambda cfg: metric_files(cfg, task_of(cfg.model.task)),  # the evaluate modules' files, by path
+        inputs=lambda cfg: metric_files(cfg, method_in(cfg)),  # the evaluate modules' files, by path
         reports=True,
         tracked=("metrics.json",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
@@ -140,6 +153,78 @@ GRAPH = Graph([
 ])
 
 
+
+# Which part of a method each core stage runs (and so has in its code fingerprint): the data stage its column
+# needs, the model stage its settings (the head), the others the whole method.
+METHOD_PARTS = {"data": "data", "tokenize": "method", "model": "settings", "train": "method", "evaluate": "method",
+                "export": "method"}
+
+
+def _roots(method: Method, part: str) -> tuple[Any, ...]:
+    cls = type(method)
+    if part == "settings":
+        return (method.settings,)
+    if part == "data":
+        module = sys.modules[cls.__module__]
+        return ((cls.__module__, "DATA"),) if getattr(module, "DATA", None) is method.data else (cls,)
+    return (cls,)
+
+
+def _with_file(inputs: Callable[[PipelineConfig], Any], file: Path) -> Callable[[PipelineConfig], Any]:
+    """A stage's input files plus a user's method module (its content in the key)."""
+    def both(cfg: PipelineConfig) -> Any:
+        got = inputs(cfg)
+        return {**got, "method": file} if isinstance(got, dict) else [*got, file]
+    return both
+
+
+@functools.cache
+def _graph(name: str) -> Graph:
+    method, file = method_of(name), user_file(name)
+    added = method.stages()
+    ups = method.upstream()
+    out: list[Stage] = []
+    for st in CORE:
+        part = METHOD_PARTS.get(st.name)
+        if part is not None:
+            st = replace(st, code=(*st.code, *_roots(method, part)),
+                         inputs=_with_file(st.inputs, file) if file is not None else st.inputs)
+        if st.name in ups:
+            st = replace(st, upstream=(*st.upstream, *ups[st.name]))
+        out.append(st)
+    for st in added:  # right after the last of its upstream
+        if file is not None:
+            st = replace(st, code=(*st.code, type(method)), inputs=_with_file(st.inputs, file))
+        else:
+            st = replace(st, code=(*st.code, type(method)))
+        at = max((i for i, s in enumerate(out) if s.name in st.upstream), default=-1) + 1
+        out.insert(at, st)
+    return Graph(out)
+
+
 def graph_for(cfg: PipelineConfig) -> Graph:
     """The graph one pipeline runs: the core stages plus those its method adds."""
-    return GRAPH
+    return _graph(cfg.method.name)
+
+
+class Graphs(Graph):
+    """The graph of every pipeline: iterated, the core stages; planned or validated, each config on its own
+    graph (graph_for); `--only` / `--until` / `--force` take
+    every stage some built-in method's pipeline runs."""
+
+    def __init__(self, core: Graph):
+        super().__init__(core.stages)
+        extra = [s.name for name in BUILTIN for s in _graph(name).stages if s.name not in core.names]
+        self.selectable = [*core.names, *dict.fromkeys(extra)]  # checked again on the pipeline's own graph
+
+    def for_config(self, cfg: PipelineConfig) -> Graph:
+        return graph_for(cfg)
+
+    def plan(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return graph_for(cfg).plan(cfg, *args, **kwargs)
+
+    def validate(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return graph_for(cfg).validate(cfg, *args, **kwargs)
+
+
+GRAPH = Graphs(CORE)

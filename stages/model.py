@@ -3,7 +3,7 @@ quantize with bitsandbytes, and save the result as the artifact, so later runs n
 dequantize GGUF nor re-quantize.
 
 Artifact: `model/` = save_pretrained output (safetensors; bitsandbytes-serialised with
-quantization_config in config.json when quantized) plus `model/finetune.json` (task, class, dtypes),
+quantization_config in config.json when quantized) plus `model/finetune.json` (head, class, dtypes),
 which `load_model` reads. Manifest: footprint, parameters by dtype, layers by type, the estimate made
 before loading beside the measured footprint, load time, peak RSS.
 
@@ -23,10 +23,10 @@ from torch import nn
 
 from stages.engine.stage import StageContext
 from stages.engine.units import human_bytes
-from stages.methods.tasks import task_of
 from stages.models import memory
 from stages.models.compat.bitsandbytes import quant_state_bytes
 from stages.models.compat.transformers import clear_gguf_quantizer, fp32_modules_quantized
+from stages.models.heads import head_of
 from stages.models.hf import load_tokenizer, pretrained_source
 from stages.models.model_loading import (
     LOAD_INFO,
@@ -67,7 +67,7 @@ def describe(model: PreTrainedModel) -> dict[str, Any]:
 # ---------------------------------------------------------------- the stage
 
 def _set_pad_token(ctx: StageContext, config: Any) -> int | None:
-    if not task_of(ctx.cfg.model.task).classifies or getattr(config, "pad_token_id", None) is not None:
+    if not head_of(ctx.cfg).classifies or getattr(config, "pad_token_id", None) is not None:
         return getattr(config, "pad_token_id", None)
     try:
         pad = load_tokenizer(ctx.cfg).pad_token_id
@@ -81,13 +81,14 @@ def _set_pad_token(ctx: StageContext, config: Any) -> int | None:
 def run(ctx: StageContext) -> dict[str, Any]:
     quiet_transformers()
     m, q = ctx.cfg.model, ctx.cfg.quantization
-    config = hf_config(m)
-    names = ctx.cfg.data.label_names if task_of(m.task).classifies else None
+    head = head_of(ctx.cfg)
+    config = hf_config(m, head)
+    names = ctx.cfg.data.label_names if head.classifies else None
     if names:  # the classes by name in the model's config, and so in every model exported from it
         config.id2label = dict(enumerate(names))
         config.label2id = {n: i for i, n in enumerate(names)}
     pad = _set_pad_token(ctx, config)
-    meta, plan = meta_and_plan(m, q, config)
+    meta, plan = meta_and_plan(m, q, config, head)
     cls = type(meta)
     est = memory.weights_estimate(meta, plan)
     del meta
@@ -104,7 +105,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if m.from_config or "gguf_file" in kwargs:
         # build / dequantize in fp32 once, then (re)load from that plain checkpoint to quantize or cast
         if m.from_config:
-            model = auto_class(m.task).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
+            model = auto_class(head).from_config(config, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
         else:  # a GGUF in a hub repo, or one the cache could not take
             model = cls.from_pretrained(source, revision=m.revision if local is None else None,
                                         dtype=torch.float32, **kwargs, **common)
@@ -125,7 +126,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     out = ctx.out_dir / "model"
     model.save_pretrained(out)
-    info = {"task": m.task, "model_class": cls.__name__, "trust_remote_code": m.trust_remote_code,
+    info = {"head": head.name, "model_class": cls.__name__, "trust_remote_code": m.trust_remote_code,
             "quantization": q.mode,
             "quantize_fp32_modules": q.quantize_fp32_modules, "dtype": str(plan.dtype).removeprefix("torch."),
             "compute_dtype": str(compute_dtype(q.compute_dtype)).removeprefix("torch.")}

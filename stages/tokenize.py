@@ -2,12 +2,12 @@
 
 No padding is stored (batches are padded dynamically at train time). Inputs longer than
 `tokenize.max_length` keep their head and the tokenizer's closing special tokens (stages/text/tokens.py;
-causal_lm prompt + target: the prompt's head is cut); each row's labels are its task's (stages/methods/tasks.py:
-class ids, target ids, or prompt + target). Conversations are rendered with the chat template
-(stages/text/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
-truncated, over what max_length cuts: causal_lm prompt + target).
+sft prompt + target: the prompt's head is cut); each row's columns are its method's (stages/methods/: class ids,
+target ids, prompt + target, or whatever a method's features hold). Conversations are rendered with the chat
+template (stages/text/chat.py). The manifest records token-length stats per split (mean, p50, p95, max, share
+truncated, over what max_length cuts: sft prompt + target).
 
-Packing (tokenize.packing, causal_lm): the train split's rows, each already cut to max_length with its own
+Packing (tokenize.packing, sft): the train split's rows, each already cut to max_length with its own
 labels, are packed into sequences of up to max_length tokens by best-fit decreasing (stages/text/packing.py:
 deterministic, and TRL's strategy, so bench/sft.py compares like with like). A packed row's `id` lists its rows'
 ids, `position_ids` restart at 0 per row (the train step gives the model these and no attention mask: a
@@ -24,12 +24,10 @@ from typing import Any
 import numpy as np
 
 from stages.engine.stage import StageContext
-from stages.methods.tasks import TokenRows, task_of
+from stages.methods import method_in
 from stages.models.hf import load_tokenizer
 from stages.sources.arrow import read_split
-from stages.text import chat
 from stages.text.packing import pack_rows
-from stages.text.tokens import bare_ids
 
 
 def length_stats(lengths: list[int], limit: int | None) -> dict[str, float]:
@@ -53,7 +51,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     from datasets.table import InMemoryTable
 
     cfg, t = ctx.cfg, ctx.cfg.tokenize
-    task = task_of(cfg.model.task)
+    method = method_in(cfg)
     tok = load_tokenizer(cfg)
     data_dir = ctx.upstream["data"]
     splits = [s for s in ("train", "validation", "test") if (data_dir / f"{s}.arrow").exists()]
@@ -62,24 +60,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     out, stats = {}, {}
     for name in splits:
         table = read_split(data_dir, name)
-        if "messages" in table.column_names:  # conversations (data.format messages / alpaca)
-            if template is None:
-                template = chat.template_of(tok, t, cfg.model.name)
-            ids, labels, lengths, starts = chat.render_rows(tok, template, table.column("messages").to_pylist(), t)
-            rows = TokenRows(ids, labels, lengths, prompt_lengths=starts)
-        else:
-            texts = [t.prefix + x for x in table.column("text").to_pylist()]
-            rows = task.token_rows(tok, bare_ids(tok, texts, t.batch_size, f"tokenize {name}"), table, t,
-                                   f"tokenize {name}")
-        cols: dict[str, Any] = {"id": table.column("id").to_pylist(), "labels": rows.labels,
-                                "input_ids": rows.input_ids, "length": [len(x) for x in rows.input_ids]}
-        if rows.prompt_lengths is not None:  # where generation starts (evaluate)
-            cols["prompt_length"] = rows.prompt_lengths
+        rows = method.features(tok, table, t, f"tokenize {name}", cfg.model.name)
+        template = rows.template or template
+        input_ids = rows.columns["input_ids"]
+        cols: dict[str, Any] = {"id": table.column("id").to_pylist(), **rows.columns,
+                                "length": [len(x) for x in input_ids]}
         stats[name] = {"input": length_stats(rows.lengths, t.max_length)}
         if rows.target_lengths is not None:
             stats[name]["target"] = length_stats(rows.target_lengths, t.max_target_length)
         if t.packing and name == "train":  # rows -> sequences of up to max_length (stages/text/packing.py)
-            packed = pack_rows(rows.input_ids, rows.labels, t.max_length)
+            packed = pack_rows(input_ids, rows.columns["labels"], t.max_length)
             cols = {"id": [[cols["id"][r] for r in seq] for seq in packed.rows], "labels": packed.labels,
                     "input_ids": packed.input_ids, "position_ids": packed.position_ids,
                     "length": [len(x) for x in packed.input_ids]}

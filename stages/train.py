@@ -1,6 +1,6 @@
 """Train stage: an explicit loop over a model made trainable by the adapters stage, torchtune's recipe shape.
 
-    recipe = TrainRun(cfg, task, work_dir, log)    construct: the device, its precision, the processes
+    recipe = TrainRun(cfg, method, work_dir, log)  construct: the device, its precision, the processes
     recipe.setup(model, train, validation, ...)    _setup_model, _setup_optimizer, _setup_lr_scheduler, _setup_data,
                                                    _setup_progress (the resume checkpoint), _setup_run_log
     recipe.train()                                 the loop over optimizer steps: one step reads top to bottom there
@@ -14,7 +14,7 @@ checkpoint. Settings that cannot work are refused at plan time, before any stage
 Each optimizer step takes one *effective batch* (micro_batch_size x gradient_accumulation_steps rows, chosen
 by a seeded length-grouped sampler: stages/training/batching.py), cuts it into micro-batches padded to their
 own longest row, and runs forward/backward on each. The loss is a *sum* divided by the count over the whole
-effective batch (rows for classification, target tokens for LM tasks: the task's, stages/methods/tasks.py), so
+effective batch (rows for classify, target tokens for seq2seq / sft: the method's, stages/methods/), so
 micro-batch k x accumulation 1 and micro-batch 1 x accumulation k give the same gradients (transformers'
 Trainer instead scales by the number of micro-batches). A CUDA out-of-memory error halves the micro-batch and
 doubles accumulation (the same effective batch) and retries the step. Before the optimizer step the gradient
@@ -26,7 +26,7 @@ then the signal (stages/training/interrupt.py).
 Several processes (train.num_processes > 1): `run` starts itself under `accelerate launch` (stages/
 training/distributed.py), one process per GPU (gloo processes on CPU). Effective batch = micro-batch x
 accumulation x processes; every process takes its shard of each effective batch, the loss denominator is
-the count over the whole global batch and DDP averages the gradients (distributed.shard_window), so the
+the count over the whole global batch and DDP averages the gradients (TrainRun.window: one window for 1 and N processes), so the
 weights equal one process's with accumulation x processes. Rank 0 alone validates, logs, checkpoints and
 writes the artifact; its checkpoints and resume point reach a shared store through the stage's own process
 (distributed.hand_over) while the other ranks wait at a barrier. The OOM back-off is off there (one process
@@ -53,13 +53,13 @@ from safetensors.torch import save_file
 
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.stage import StageContext
-from stages.methods.tasks import task_of
+from stages.methods import method_of
 from stages.models.hf import load_tokenizer
 from stages.models.model_loading import count_parameters, load_trainable, save_trained
 from stages.pipeline.schema import TrainConfig
 from stages.text.packing import keeps_rows_apart
 from stages.training import distributed
-from stages.training.batching import Rows, epoch_batches, validation_rows
+from stages.training.batching import Rows, epoch_batches, shard, validation_rows
 from stages.training.checkpoint import (
     TrainingProgress,
     latest_checkpoint,
@@ -84,13 +84,13 @@ from stages.training.train_checks import check_validation
 # ====================================================================== the stage
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    task, tcfg = ctx.cfg.model.task, ctx.cfg.train
+    method, tcfg = ctx.cfg.method.name, ctx.cfg.train
     if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
-        return launch_training(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
-    return train_stage(task, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
+        return launch_training(method, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
+    return train_stage(method, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
 
 
-def train_stage(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def train_stage(method: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                 log: logging.Logger) -> dict[str, Any]:
     import datasets
 
@@ -98,21 +98,21 @@ def train_stage(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir
     ds = datasets.load_from_disk(str(tok_dir / "dataset"))
     tokenizer = load_tokenizer(tok_dir / "tokenizer")
     model = load_trainable(upstream["model"], upstream["adapters"], gradient_checkpointing=tcfg.gradient_checkpointing)
-    result = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, task,
+    result = train_model(model, ds["train"], ds["validation"] if "validation" in ds else None, tcfg, method,
                          tokenizer.pad_token_id, out_dir, work_dir, log, tokenizer=tokenizer)
     if distributed_rank() == 0:  # only rank 0 writes the artifact (0 without a process group)
         save_trained(model, out_dir / "trained", upstream["model"])
     return result
 
 
-def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, task: str, pad_id: int,
+def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, method: str, pad_id: int,
                 out_dir: Path, work_dir: Path, log: logging.Logger, *, tokenizer: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
     validation's weights); write metrics.jsonl, tensorboard/ and loss.png to out_dir; resume from (and
     checkpoint to) work_dir/checkpoints. Returns the manifest metrics (`tokenizer`: for a ROUGE select_best).
     Under `accelerate launch` (N processes) each trains on its shard of every effective batch; only rank 0
     validates, logs and writes."""
-    recipe = TrainRun(tcfg, task, work_dir, log)
+    recipe = TrainRun(tcfg, method, work_dir, log)
     recipe.setup(model, train_ds, val_ds, pad_id, tokenizer)
     recipe.train()
     return recipe.cleanup(out_dir)
@@ -121,9 +121,9 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainC
 class TrainRun:
     """One training run, torchtune's recipe shape: construct, setup(), train(), cleanup()."""
 
-    def __init__(self, cfg: TrainConfig, task: str, work_dir: Path, log: logging.Logger):
+    def __init__(self, cfg: TrainConfig, method: str, work_dir: Path, log: logging.Logger):
         self.cfg = cfg
-        self.task = task_of(task)
+        self.method = method_of(method)
         self.log = log
         self.work_dir = work_dir
         self.ckpt_dir = work_dir / "checkpoints"
@@ -243,33 +243,17 @@ class TrainRun:
     # ------------------------------------------------------------------ the loop: one optimizer step, top to bottom
     def train(self) -> None:
         """The loop over optimizer steps, one effective batch each, epoch by epoch (each its own order)."""
-        p, cfg, task = self.progress, self.cfg, self.task
+        p, cfg = self.progress, self.cfg
         with self.stop, contextlib.closing(self.runlog):
             while p.step < self.total_steps and p.stopped is None:
                 plan = epoch_batches(self.rows.lengths, self.effective, cfg.seed, p.epoch, cfg.group_by_length)
                 while p.batches_done < len(plan) and p.step < self.total_steps:
                     idx, t0 = plan[p.batches_done], time.perf_counter()
                     self.stop.step_starts()
-                    # 1. the window: forward and backward of each micro-batch, its loss summed and divided by
-                    # the units (rows or target tokens) of the whole effective batch, so k x 1 == 1 x k
+                    # 1. the window: forward and backward of each micro-batch, its summed loss divided by the
+                    # units of the whole effective batch (rows, target tokens, pairs), so k x 1 == 1 x k
                     try:
-                        if self.world > 1:  # this process's shard of the global batch
-                            loss, real, padded = distributed.shard_window(self.model, self.rows, idx,
-                                                                          p.micro_batch_size, self.pad_id, task,
-                                                                          self.accelerator)
-                        else:
-                            micro = [mb.to(self.device) for mb in
-                                     self.rows.batches(idx, p.micro_batch_size, self.pad_id, task)]
-                            units = max(sum(task.loss_units(mb) for mb in micro), 1)
-                            total = torch.zeros((), device=self.device)  # read once per step: keeps a GPU busy
-                            for mb in micro:
-                                self.stop.check()  # a stop signal abandons the step here
-                                part = task.summed_loss(self.model, mb) / units
-                                self.accelerator.backward(part)
-                                total += part.detach().float()
-                            loss = float(total)
-                            real = sum(mb.real_tokens for mb in micro)
-                            padded = sum(mb.padded_tokens for mb in micro)
+                        loss, real, padded, stats = self.window(idx)
                     except StepAbandoned:  # the step never happened: no gradients, the RNG as at its start
                         self.stop.rewind(self.optimizer)
                         self.stop_here()
@@ -299,7 +283,7 @@ class TrainRun:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.watchdog.count_skip(p, skipped)
                     # 5. record it; validate at the epoch's end and every eval_every steps; checkpoint
-                    self.record_step(loss, real, padded, norm, time.perf_counter() - t0, len(plan))
+                    self.record_step(loss, real, padded, norm, time.perf_counter() - t0, len(plan), stats)
                     epoch_end = p.batches_done == len(plan)
                     if epoch_end or (cfg.eval_every and p.step % cfg.eval_every == 0):
                         self.validate()
@@ -315,6 +299,44 @@ class TrainRun:
             if p.batches_done and p.stopped is None and not (cfg.eval_every and p.step % cfg.eval_every == 0):
                 self.validate()
             self.stop_here()  # a signal during that validation
+
+    def window(self, idx: list[int]) -> tuple[float, int, int, dict[str, float]]:
+        """One effective batch, forward and backward: the one accumulation window, for 1 and N processes
+        (nanoGPT's). Each process takes its share of the rows (batching.shard; all of them in one process), the
+        method prepares each micro-batch and steps it; each summed loss is divided by the units of the whole
+        effective batch, counted over every process, and multiplied by the number of processes before backward,
+        because DDP *averages* gradients: the all-reduced gradient is then exactly that of the loss averaged over
+        the effective batch, as in one process. Gradients are all-reduced once, on the last micro-batch.
+        Returns the loss, the real and padded tokens, and the method's stats, each a mean over the units."""
+        p, acc, world, method = self.progress, self.accelerator, self.world, self.method
+        mine = shard(idx, self.rows.lengths, acc.process_index, world)
+        micro = [method.prepare(self.model, mb.to(self.device), p.step)
+                 for mb in self.rows.batches(mine, p.micro_batch_size, self.pad_id, method)] if mine else []
+        units = sum(mb.units for mb in micro)
+        if world > 1:
+            units = int(acc.reduce(torch.tensor([units], device=self.device), reduction="sum").item())
+        units = max(units, 1)
+        # a short last batch with fewer rows than processes leaves this one none: a zero-weight pass over one
+        # row keeps DDP's all-reduce in step
+        passes = micro or [self.rows.batches(idx[:1], 1, self.pad_id, method)[0].to(self.device)]
+        scale = float(world) if micro else 0.0
+        total = torch.zeros((), device=self.device)  # read once per step: keeps a GPU busy
+        stats: dict[str, float] = {}
+        for k, mb in enumerate(passes):
+            self.stop.check()  # a stop signal abandons the step here
+            with acc.no_sync(self.model) if k < len(passes) - 1 else contextlib.nullcontext():
+                out = method.step(self.model, mb)
+                loss = out.loss_sum / units
+                acc.backward(loss * scale)
+            total += loss.detach().float()
+            for name, value in out.stats.items():
+                stats[name] = stats.get(name, 0.0) + float(value) * (scale / world)
+        sums = [float(total) if micro else 0.0, sum(mb.real_tokens for mb in micro),
+                sum(mb.padded_tokens for mb in micro), *(stats[k] for k in sorted(stats))]
+        if world > 1:
+            sums = acc.reduce(torch.tensor(sums, dtype=torch.float64, device=self.device), reduction="sum").tolist()
+        return (sums[0], int(sums[1]), int(sums[2]),
+                {k: v / units for k, v in zip(sorted(stats), sums[3:], strict=True)})
 
     def halve_micro_batch(self) -> None:
         """After a CUDA out-of-memory error: half the micro-batch, twice the accumulation (the effective batch
@@ -340,7 +362,8 @@ class TrainRun:
                          else "no step finished yet, nothing to save")
         self.stop.deliver()
 
-    def record_step(self, loss: float, real: int, padded: int, norm: float, elapsed: float, batches: int) -> None:
+    def record_step(self, loss: float, real: int, padded: int, norm: float, elapsed: float, batches: int,
+                    stats: dict[str, float]) -> None:
         p = self.progress
         p.step += 1
         p.batches_done += 1
@@ -353,7 +376,8 @@ class TrainRun:
         lr = self.lr_scheduler.get_last_lr()[0]
         rec = {"kind": "train", "step": p.step, "epoch": p.epoch + 1, "loss": round(loss, 6), "lr": lr,
                "real_tokens": real, "padded_tokens": padded, "tokens_per_s": round(real / elapsed, 1),
-               "micro_batch_size": p.micro_batch_size, "grad_norm": round(norm, 6)}
+               "micro_batch_size": p.micro_batch_size, "grad_norm": round(norm, 6),
+               **{k: round(v, 6) for k, v in stats.items()}}
         if self.accelerator.scaler is not None:
             rec["skipped_steps"] = p.skipped_steps
         self.runlog.train_step(rec, line=p.step % self.cfg.log_every == 0 or p.step == self.total_steps,
@@ -367,7 +391,7 @@ class TrainRun:
         decide to stop early; across processes that decision is broadcast to every rank."""
         p = self.progress
         if self.is_main and self.val_rows is not None:
-            res = self.task.validate(self.core, self.val_rows, self.pad_id, 2 * p.micro_batch_size, self.device,
+            res = self.method.validate(self.core, self.val_rows, self.pad_id, 2 * p.micro_batch_size, self.device,
                                 getattr(self.cfg.select_best, "metric", None), self.tokenizer)
             rec = {"kind": "validation", "step": p.step, "epoch": p.epoch + 1, **res}
             p.history.append(rec)
@@ -443,12 +467,12 @@ def distributed_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def launch_training(task: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def launch_training(method: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                     log: logging.Logger) -> dict[str, Any]:
     """train.num_processes > 1: run `train_worker` in that many processes (one per GPU; gloo processes on
     a CPU-only machine) under `accelerate launch`, owned and awaited by this stage. Rank 0 writes
     checkpoints into work_dir and the artifact into out_dir, which are passed down as they are."""
-    args = {"task": task, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
+    args = {"method": method, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
             "out_dir": str(out_dir), "work_dir": str(work_dir)}
     return distributed.launch("stages.train:train_worker", args, tcfg.num_processes, work_dir / "launch", log,
                               port=tcfg.main_process_port, config_file=tcfg.accelerate_config, what="train",
@@ -460,5 +484,5 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """One of the launched processes (stages.training.distributed runs it; rank 0's return value is the stage's)."""
     if torch.cuda.is_available():  # before loading: a quantized model goes to the current device (model.load_model)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return train_stage(args["task"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
+    return train_stage(args["method"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
                        Path(args["out_dir"]), Path(args["work_dir"]), logging.getLogger("finetune.train"))

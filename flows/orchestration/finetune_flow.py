@@ -55,7 +55,7 @@ def stage_task(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]
 # log_prints off in the stage tasks: stage bodies log, they do not print, and with Prefect's print patch a
 # library that captures its own output (dill disassembling a function for `datasets`' fingerprints, under
 # the evaluate stage's `evaluate` modules) would spill it into the run's logs
-STAGE_TASKS = {name: task(name=name, cache_policy=NONE, log_prints=False)(stage_task) for name in GRAPH.names}
+STAGE_TASKS = {name: task(name=name, cache_policy=NONE, log_prints=False)(stage_task) for name in GRAPH.selectable}
 
 
 @flow(name="finetune", log_prints=True)

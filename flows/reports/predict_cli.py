@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
         ex = load_export(folder, chat=chats is not None, runtime=args.runtime)
         gen = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
                if v is not None}
-        if gen and not ex.task.generates:
+        if gen and not ex.method.head.generates:
             raise ConfigError("--max-new-tokens / --num-beams: this export is a classifier; drop them")
         records = predict(ex, texts, args.batch_size, gen, args.precision, conversations=chats)
         if args.out is not None:

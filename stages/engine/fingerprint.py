@@ -48,7 +48,10 @@ def object_hashes(closure: dict[str, str]) -> list[str]:
 
 
 def root_of(obj: Any) -> tuple[str, str]:
-    """(module, top-level name) of a function, class or method: where the code graph starts."""
+    """(module, top-level name) of a function, class or method (or such a pair as it is): where the code
+    graph starts."""
+    if isinstance(obj, tuple):
+        return obj
     obj = getattr(obj, "__func__", obj)
     return obj.__module__, obj.__qualname__.split(".")[0]
 

@@ -64,6 +64,7 @@ class Graph:
                     raise GraphError(f"stage {st.name}: upstream '{up}' comes after it; list {up} before {st.name}")
             seen.add(st.name)
         self._by_name = {s.name: s for s in self.stages}
+        self.selectable: list[str] = self.names  # what --only / --until / --force may name
 
     def __iter__(self) -> Iterator[Stage]:
         return iter(self.stages)
@@ -86,9 +87,9 @@ class Graph:
         for option, names in (("--force", list(force)), ("--only", [only] if only else []),
                               ("--until", [until] if until else [])):
             for n in names:
-                if n not in self.names:
-                    raise ConfigError(f"{option} {n}: unknown stage{_did_you_mean(n, self.names)}; stages are "
-                                      f"{', '.join(self.names)}")
+                if n not in self.selectable:
+                    raise ConfigError(f"{option} {n}: unknown stage{_did_you_mean(n, self.selectable)}; stages are "
+                                      f"{', '.join(self.selectable)}")
 
     def load(self, args: argparse.Namespace) -> PipelineConfig:
         """The config a command line names (pipeline, --set, --config), its stage options checked; `--track`

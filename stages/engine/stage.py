@@ -83,6 +83,9 @@ class Stage:
     history: str | None = None
     tracked: tuple[str, ...] = ()
     produces_model: bool = False
+    # More code it runs than its body reaches by name (functions, classes, or (module, name) pairs): the
+    # pipeline's method, which the graph looks up by name (stages/graph.py). Its fingerprint is in the key.
+    code: tuple[Any, ...] = ()
 
 
 class ConfigView:
@@ -135,4 +138,4 @@ def select(cfg: PipelineConfig, path: str) -> Any:
 def code_roots(st: Stage) -> list[Any]:
     """Where a stage's code fingerprint starts: its body, the function that picks its input files, and
     the engine objects a body calls into (the config view it reads through, its context, Lazy)."""
-    return [st.body, st.inputs, st.deps, ConfigView, StageContext, Lazy]
+    return [st.body, st.inputs, st.deps, ConfigView, StageContext, Lazy, *st.code]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.engine.errors import ConfigError
-from stages.methods.tasks import task_of
+from stages.models.heads import head_of
 from stages.models.hf import split_gguf
 
 
@@ -21,7 +21,7 @@ def top_layout(cfg: Any) -> str:
     if cfg.adapters.method == "full":
         return "model"
     m, x = cfg.model, cfg.export
-    alone = hub_base(m) and not task_of(m.task).classifies
+    alone = hub_base(m) and not head_of(cfg).classifies
     if x.layout == "adapter" and not alone:
         why = ("its base is not on a hub" if not hub_base(m) else
                "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")

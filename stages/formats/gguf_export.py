@@ -50,14 +50,13 @@ def file_name(kind: str) -> str:
 
 def check_formats(cfg: PipelineConfig) -> None:
     """Plan time: gguf is asked of a causal LM whose merged weights the export writes, with its extra installed."""
-    from stages.methods.tasks import task_of
+    from stages.models.heads import head_of
 
     if "gguf" not in cfg.export.formats:
         return
-    task = task_of(cfg.model.task)
-    if not task.decoder_only:
-        raise ConfigError(f"export.formats gguf: model.task {task.name} is not exported to GGUF (Llama-family "
-                          f"causal LMs, causal_lm, are: llama.cpp runs decoders); remove gguf from export.formats")
+    if not head_of(cfg).decoder_only:
+        raise ConfigError(f"export.formats gguf: method {cfg.method.name} is not exported to GGUF (Llama-family "
+                          f"causal LMs, method sft, are: llama.cpp runs decoders); remove gguf from export.formats")
     if missing := missing_extra():
         raise ConfigError(f"export.formats gguf: {missing} not installed; pip install '.[gguf]' "
                           f"(or remove gguf from export.formats)")
@@ -183,7 +182,7 @@ def crash_line(what: str, kind: str, crash: RuntimeCrash, fix: str) -> str:
 def check_prompts(tokenized: Path, splits: Sequence[str]) -> list[list[int]]:
     """The evaluated rows' prompts (what evaluate generates from): the prompt before the last labelled run; a
     row labelled throughout (language modelling) gives its first PROMPT_TOKENS tokens."""
-    from stages.runtimes.inference import prompt_of
+    from stages.models.inference import prompt_of
 
     rows, labels = onnx_export.evaluated_rows(tokenized, splits, CHECK_PROMPTS)
     prompts = [prompt_of(ids, list(y)) or ids[:min(PROMPT_TOKENS, max(1, len(ids) // 2))]
@@ -232,7 +231,7 @@ def reference_ids(src: Path, prompts: list[list[int]], tok: Any, n_tokens: int, 
     import torch
     import transformers
 
-    from stages.runtimes.inference import generated_ids
+    from stages.models.inference import generated_ids
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     gen = {"max_new_tokens": n_tokens, "do_sample": False, "num_beams": 1, "eos_token_id": sorted(stops),
@@ -248,7 +247,7 @@ def stop_ids(src: Path, tok: Any) -> set[int]:
         eos = transformers.GenerationConfig.from_pretrained(str(src)).eos_token_id
     except OSError:
         eos = None
-    from stages.runtimes.inference import stop_set  # torch: not at plan time, which imports this module
+    from stages.models.inference import stop_set  # torch: not at plan time, which imports this module
 
     return stop_set(tok.eos_token_id if eos is None else eos)
 
@@ -306,7 +305,7 @@ def runtime_model(folder: Path, runtime: str, threads: int | None = None) -> Lla
 
 class LlamaCppLM:
     """A GGUF file in llama.cpp with the surface batched generation uses of a transformers model
-    (stages/runtimes/inference.py): generate(input_ids, attention_mask, generation_config, eos_token_id) returns
+    (stages/models/inference.py): generate(input_ids, attention_mask, generation_config, eos_token_id) returns
     the (left-padded) prompts followed by the new tokens, each row greedy on its own and stopping at its stop
     token; it computes on the CPU in the file's own precision. The file is loaded on the first call, with a
     context as long as the batch needs (reloaded for a longer one)."""
@@ -341,7 +340,7 @@ class LlamaCppLM:
                  eos_token_id: Any = None, **kw: Any) -> torch.Tensor:
         import torch
 
-        from stages.runtimes.inference import stop_set
+        from stages.models.inference import stop_set
 
         gen = generation_config
         if gen is not None and (getattr(gen, "num_beams", 1) or 1) > 1:

@@ -55,17 +55,16 @@ class ExportCheckError(FinetuneError):
 
 
 def check_formats(cfg: PipelineConfig) -> None:
-    """Plan time: each format asked for can be written for this task, and its libraries are installed."""
-    from stages.methods.tasks import task_of
+    """Plan time: each format asked for can be written for this head, and its libraries are installed."""
+    from stages.models.heads import head_of
 
     if "onnx" not in cfg.export.formats:
         if cfg.export.onnx_int8:
             raise ConfigError("export.onnx_int8: quantizes the ONNX export; add onnx to export.formats "
                               "(e.g. export.formats=[hf, onnx])")
         return
-    task = task_of(cfg.model.task)
-    if task.decoder_only:
-        raise ConfigError(f"export.formats onnx: model.task {task.name} is not exported to ONNX (classifiers and "
+    if head_of(cfg).decoder_only:
+        raise ConfigError(f"export.formats onnx: method {cfg.method.name} is not exported to ONNX (classifiers and "
                           f"seq2seq are); a causal LM is exported as GGUF for llama.cpp (export.formats: [hf, gguf]; "
                           f"docs/export.md); remove onnx from export.formats")
     if missing := missing_extra():
@@ -147,7 +146,7 @@ def compare(path: Path, reference: np.ndarray, rows: list[list[int]], labels: li
     import numpy as np
     import torch
 
-    from stages.runtimes.inference import class_logits
+    from stages.models.inference import class_logits
 
     model: Any = OnnxClassifier(session(path), None, path)  # a torch module in what class_logits uses of one
     got = class_logits(model, rows, pad_id, 32, torch.device("cpu"), f"export {path.name} check").numpy()
@@ -190,7 +189,7 @@ def export_checked(out: Path, tokenized: Path, splits: Sequence[str], int8: bool
     import numpy as np
     import transformers
 
-    from stages.runtimes.inference import class_logits
+    from stages.models.inference import class_logits
 
     model = transformers.AutoModelForSequenceClassification.from_pretrained(str(out), dtype="float32").eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -375,7 +374,7 @@ def quantize_as(path: Path) -> Path:
 
 class OnnxSeq2Seq:
     """An encoder-decoder in onnxruntime with the surface batched generation uses of a transformers model
-    (stages/runtimes/inference.py generate): `generate(input_ids, attention_mask, generation_config, **kw)` returns
+    (stages/models/inference.py generate): `generate(input_ids, attention_mask, generation_config, **kw)` returns
     the decoder start token then the greedy tokens (batch, 1 + steps), a finished row padded after its end token."""
 
     def __init__(self, encoder: Any, decoder: Any, config: Any, path: Path, generation: Any = None):
@@ -433,7 +432,7 @@ def generated_ids(model: Any, prompts: list[list[int]], tok: Any, gen: Any) -> l
     """Each prompt's greedy generation as token ids (through the end token), in order: torch or OnnxSeq2Seq."""
     import torch
 
-    from stages.runtimes.inference import generated_ids as batched
+    from stages.models.inference import generated_ids as batched
 
     return batched(model, prompts, tok, {"generation_config": gen, "eos_token_id": gen.eos_token_id},
                    GENERATION_BATCH, torch.device("cpu"), False, "export onnx check")

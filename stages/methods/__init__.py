@@ -1,0 +1,99 @@
+"""The methods: what is learned, one module each (stages/methods/base.py says what a method owns).
+
+A pipeline names its method at the top (`method: sft`, or `method: {name: sft, ...its settings}`). The built-in
+ones are modules of this package, each holding one `METHOD`; a user's own is `MODULE:CLASS` or
+`path/to/file.py:CLASS`, a subclass of Method. Modules are found by name, never imported all at once: the code
+fingerprint of a pipeline's stages covers its own method (stages/graph.py adds it to their roots), so editing
+another method reruns nothing here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.engine.errors import ConfigError
+from stages.methods.base import Method, MethodData
+from stages.pipeline import schema
+from stages.pipeline.schema import MethodConfig
+
+BUILTIN = ("classify", "seq2seq", "sft")  # modules of this package, in `finetune methods` order
+_USER: dict[str, Method] = {}
+
+
+def method_of(name: str) -> Method:
+    """The method `name` names: a built-in one, or a user's MODULE:CLASS / path.py:CLASS."""
+    if name in BUILTIN:
+        return importlib.import_module(f"{__name__}.{name}").METHOD
+    if ":" in name:
+        if name not in _USER:
+            _USER[name] = _load_user(name)
+        return _USER[name]
+    raise ConfigError(f"method: {name!r} is not a method; use one of {', '.join(BUILTIN)}, or your own as "
+                      f"MODULE:CLASS or path/to/file.py:CLASS (`finetune methods` lists them)")
+
+
+def method_in(cfg: Any) -> Method:
+    """The method of a pipeline's config."""
+    return method_of(cfg.method.name)
+
+
+def user_file(name: str) -> Path | None:
+    """The source file of a user's method (its content is in the keys of the stages that run it); None for a
+    built-in one (its code is in those keys through the code fingerprint)."""
+    if name in BUILTIN or ":" not in name:
+        return None
+    module = name.rsplit(":", 1)[0]
+    if module.endswith(".py"):
+        return Path(module).expanduser().resolve()
+    spec = importlib.util.find_spec(module)
+    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+
+
+def _load_user(name: str) -> Method:
+    module_name, _, cls_name = name.rpartition(":")
+    if module_name.endswith(".py"):
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"method {name}: {path} not found; give MODULE:CLASS or path/to/file.py:CLASS")
+        unique = "finetune_user_method_" + "".join(c if c.isalnum() else "_" for c in str(path))
+        spec = importlib.util.spec_from_file_location(unique, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[unique] = module
+        spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ConfigError(f"method {name}: cannot import {module_name} ({e}); give MODULE:CLASS or "
+                              f"path/to/file.py:CLASS") from None
+    cls = getattr(module, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise ConfigError(f"method {name}: {module_name} has no Method subclass {cls_name}; define "
+                          f"`class {cls_name}(stages.methods.base.Method)` there (docs/methods.md)")
+    return cls()
+
+
+def _settings(name: str) -> type[MethodConfig]:
+    try:
+        return method_of(name).settings
+    except ConfigError as e:
+        raise ValueError(str(e).removeprefix(f"method {name}: ")) from None
+
+
+def _register() -> None:
+    for name in BUILTIN:
+        schema.METHOD_SETTINGS[name] = method_of(name).settings
+    schema.settings_loader[:] = [_settings]
+
+
+_register()
+
+
+def data_of(name: str) -> MethodData:
+    """The columns the method `name` needs of its data (what the data stage reads of it)."""
+    return method_of(name).data

@@ -26,22 +26,23 @@ from stages.sources.hub import ensure_hub_reachable, hub_answers
 MODULES_DIR = Path(__file__).resolve().parent / "metric_modules"
 SHIPPED = {"accuracy": "labels", "f1": "labels", "rouge": "texts", "exact_match": "texts"}  # what each scores: class ids or texts
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-# the module that computes each validation metric during training (schema.VALIDATION_METRICS; loss and
+# the module that computes each validation metric during training (a method's validation_metrics; loss and
 # accuracy are counted by the validation pass itself)
 VALIDATION_MODULES = {"macro_f1": "f1", "exact_match": "exact_match", **{r: "rouge" for r in ROUGE_TYPES}}
 PARALLEL_MIN_PAIRS = 500  # fewer ROUGE pairs are scored in this process (starting workers costs ~1 s)
 
 
-def metric_names(configured: Sequence[str] | None, task: Any) -> list[str]:
-    """`evaluate.metrics`, or the task's default (`task`: its Task, stages/methods/tasks.py); a shipped module
-    that cannot score this task's predictions is a ConfigError (class ids for seq_cls, texts for generation)."""
-    names = list(configured) if configured else list(task.default_metrics)
-    want = task.predicts
+def metric_names(configured: Sequence[str] | None, method: Any) -> list[str]:
+    """`evaluate.metrics`, or the method's default (`method`: its Method, stages/methods/base.py); a shipped
+    module that cannot score this method's predictions is a ConfigError (class ids for classify, texts for
+    generation)."""
+    names = list(configured) if configured else list(method.default_metrics)
+    want = method.predicts
     for name in names:
         kind = SHIPPED.get(name)
         if kind is not None and kind != want:
             fits = [n for n, k in SHIPPED.items() if k == want]
-            raise ConfigError(f"evaluate.metrics {name}: scores {kind}, but model.task {task.name} predicts {want}; "
+            raise ConfigError(f"evaluate.metrics {name}: scores {kind}, but method {method.name} predicts {want}; "
                               f"use {', '.join(fits)} (or a module that scores {want})")
     return names
 
@@ -127,7 +128,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str], *, jobs: int | 
     return compute(["rouge"], predictions, references, jobs=jobs)
 
 
-def metric_files(cfg: Any, task: Any) -> list[Path]:
-    """The evaluate stage's input files: the `evaluate` modules it loads by path for `task` (a wrong metric
+def metric_files(cfg: Any, method: Any) -> list[Path]:
+    """The evaluate stage's input files: the `evaluate` modules it loads by path for `method` (a wrong metric
     fails here, at plan)."""
-    return module_files(metric_names(cfg.evaluate.metrics, task))
+    return module_files(metric_names(cfg.evaluate.metrics, method))

@@ -15,6 +15,8 @@ from stages.models.gguf import loadable
 from stages.pipeline.schema import PipelineConfig
 from stages.sources.hub import ensure_hub_reachable, hub_config_file, hub_identity, resolve_local
 
+IGNORE_INDEX = -100  # the label of positions without loss (PyTorch's default ignore_index)
+
 log = logging.getLogger("finetune.model")
 
 HUB_FIX = ("use a local copy: set model.name (or tokenize.tokenizer) to a folder, a .gguf file or "

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from stages.engine.errors import ConfigError, MissingInputError
-from stages.methods.tasks import task_of
 from stages.models import memory
 from stages.models.compat.bitsandbytes import held_weights
 from stages.models.compat.peft import peft_dispatch
@@ -25,6 +24,7 @@ from stages.models.compat.transformers import (
     keys_to_not_convert,
 )
 from stages.models.gguf import loadable
+from stages.models.heads import Head, head_named
 from stages.models.hf import HUB_FIX, split_gguf
 from stages.models.precision import auto_compute_dtype
 from stages.models.quiet import filter_known_warnings
@@ -50,11 +50,11 @@ filter_known_warnings()  # in every process that builds or loads models: only kn
 # ---------------------------------------------------------------- config -> what to build
 
 
-def auto_class(task: str) -> Any:
-    """The transformers Auto class of the task `model.task` names."""
+def auto_class(head: Head | str) -> Any:
+    """The transformers Auto class of a head (stages/models/heads.py), or of the head named."""
     import transformers
 
-    return getattr(transformers, task_of(task).auto_class)
+    return getattr(transformers, (head_named(head) if isinstance(head, str) else head).auto_class)
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -71,7 +71,7 @@ def param_dtype(m: ModelConfig, q: QuantizationConfig) -> torch.dtype:
     return compute_dtype(q.compute_dtype) if q.mode != "none" else torch.float32
 
 
-def hf_config(m: ModelConfig) -> Any:
+def hf_config(m: ModelConfig, head: Head) -> Any:
     """The transformers config, from model.from_config, a GGUF header, a local folder or the hub."""
     from transformers import AutoConfig
 
@@ -94,7 +94,7 @@ def hf_config(m: ModelConfig) -> Any:
         else:
             config = AutoConfig.from_pretrained(source, revision=m.revision if local is None else None,
                                                 trust_remote_code=m.trust_remote_code, **kwargs)
-    task_of(m.task).configure(config, m)  # a classifier's head size
+    head.configure(config, m)  # a classifier's head size
     return config
 
 
@@ -106,15 +106,16 @@ def _gguf_config(path: str, size: int, mtime_ns: int) -> Any:
     return AutoConfig.from_pretrained(source, **kwargs)
 
 
-def meta_model(m: ModelConfig, config: Any, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def meta_model(m: ModelConfig, config: Any, head: Head, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model's modules on the meta device: shapes and dtypes, no storage, no weights read."""
     with torch.device("meta"):
-        return auto_class(m.task).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        return auto_class(head).from_config(config, dtype=dtype, trust_remote_code=m.trust_remote_code)
 
 
-def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any) -> tuple[PreTrainedModel, memory.QuantPlan]:
+def meta_and_plan(m: ModelConfig, q: QuantizationConfig, config: Any, head: Head
+                  ) -> tuple[PreTrainedModel, memory.QuantPlan]:
     dtype = param_dtype(m, q)
-    meta = meta_model(m, config, dtype)
+    meta = meta_model(m, config, head, dtype)
     keep, strict = (set(), set()) if q.quantize_fp32_modules else keep_in_fp32_modules(meta)
     fp32 = (keep if dtype == torch.float16 else set()) | (strict if dtype != torch.float32 else set())
     skip = keys_to_not_convert(meta) | set(HEAD_MODULES) | set(q.skip_modules)
@@ -179,7 +180,7 @@ def load_model(model_dir: Path) -> Any:
     quiet_transformers()
     folder = hf_dir(model_dir)
     info = load_info(folder)
-    cls = getattr(transformers, info["model_class"], None) or auto_class(info["task"])
+    cls = getattr(transformers, info["model_class"], None) or auto_class(info["head"])
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = {"dtype": DTYPES[info["dtype"]] if on_gpu else torch.float32,
                               "trust_remote_code": info.get("trust_remote_code", False), "use_safetensors": True}

@@ -5,10 +5,12 @@ stages.pipeline.reference`). Fields made with `runtime(...)` do not change outpu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Literal
+import importlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from stages.engine.names import Name
@@ -17,7 +19,7 @@ from stages.pipeline.sweep_schema import SweepConfig  # noqa: F401  (one entry o
 
 MAX_EPOCHS = 10_000  # passes over the train split (train.epochs)
 MAX_MICRO_BATCH = 65_536  # rows in one forward pass (train.micro_batch_size)
-SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
+SECTIONS = ("method", "data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
 
 
 def runtime(default: Any = None, **kw: Any) -> Any:
@@ -121,22 +123,22 @@ class DataConfig(Section):
     mirror: str | None = runtime(None, description="offline mirror laid out like ../shared/data (imdb/, billsum/); "
                                  "$FINETUNE_DATA_MIRROR wins. Its files' content is in the key, not its path.")
     text_column: str = Field("text", description="column holding the input text")
-    label_column: str | None = Field("label", description="seq_cls: column of the class of each row: integer "
+    label_column: str | None = Field("label", description="classify: column of the class of each row: integer "
                                      "ids 0 .. model.num_labels - 1, or names (strings), which map to ids by "
                                      "data.label_names")
-    label_names: list[str] | None = Field(None, min_length=2, description="seq_cls: the class names in id order "
+    label_names: list[str] | None = Field(None, min_length=2, description="classify: the class names in id order "
                                           "(id i is label_names[i]). null: derived before the run from the data: "
                                           "neg/pos for IMDB and aclImdb, the sorted distinct names of a string "
                                           "label column, none for integer labels. The model's id2label, the "
                                           "export card and predictions.jsonl carry them.")
-    target_column: str | None = Field(None, description="seq2seq / causal_lm: column of the target text; default "
+    target_column: str | None = Field(None, description="seq2seq / sft: column of the target text; default "
                                       "`summary` for billsum")
     format: Literal["columns", "alpaca", "messages", "conversation"] = Field(
         "columns", description="how a row holds its example. columns: text_column (+ label_column or "
         "target_column: prompt/completion). alpaca: `instruction`, optional `input` and `output` columns, "
-        "asked and answered as one user and one assistant turn. messages (causal_lm): messages_column holds "
+        "asked and answered as one user and one assistant turn. messages (sft): messages_column holds "
         "a conversation, a list of {role, content} turns (system / user / assistant, multi-turn), rendered with "
-        "the chat template (docs/chat.md). conversation (causal_lm): each row's turns written from its columns by "
+        "the chat template (docs/chat.md). conversation (sft): each row's turns written from its columns by "
         "data.conversation")
     messages_column: str = Field("messages", description="messages: the column holding each row's conversation")
     message_fields: dict[str, str] = Field(
@@ -184,20 +186,20 @@ class TokenizeConfig(Section):
     tokenizer: str | None = Field(None, description="hub id, local folder or pkg:PACKAGE/RELATIVE/PATH; default: "
                                   "the model's (model.name, its GGUF file included)")
     max_length: int = Field(1024, ge=8, le=1_000_000, description="tokens per input row, special tokens included; "
-                            "longer inputs are truncated (causal_lm: prompt + target, the prompt's head is cut)")
-    max_target_length: int | None = Field(None, ge=1, description="seq2seq / causal_lm: tokens per target, longer "
+                            "longer inputs are truncated (sft: prompt + target, the prompt's head is cut)")
+    max_target_length: int | None = Field(None, ge=1, description="seq2seq / sft: tokens per target, longer "
                                           "targets truncated; default max_length")
     prefix: str = Field("", description="text prepended to every input before tokenizing (T5: \"summarize: \")")
-    chat_template: str | None = Field(None, description="causal_lm with data.format messages or alpaca: the Jinja "
+    chat_template: str | None = Field(None, description="sft with data.format messages or alpaca: the Jinja "
                                       "chat template the conversations are rendered with. null: the tokenizer's "
                                       "own (its model folder's or GGUF file's); a path to a .jinja file (its "
                                       "content is in the key); else an inline Jinja string")
     loss_on: Literal["auto", "assistant", "completion", "all"] = Field(
-        "auto", description="causal_lm: which tokens carry the loss. assistant: every assistant turn (its "
+        "auto", description="sft: which tokens carry the loss. assistant: every assistant turn (its "
         "closing end-of-turn token included, so the model learns to stop); completion: the target after the "
         "prompt; all: every token. auto: assistant for conversations (messages, alpaca), completion for "
         "prompt/completion, all without a target")
-    packing: bool = Field(False, description="causal_lm: concatenate the train split's rows into sequences of up "
+    packing: bool = Field(False, description="sft: concatenate the train split's rows into sequences of up "
                           "to max_length tokens, position ids restarting per row and attention that cannot cross "
                           "rows (validation and test stay one row per sequence)")
     batch_size: int = runtime(1000, ge=1, description="rows per tokenizer call (speed and memory only)")
@@ -208,12 +210,8 @@ class ModelConfig(Section):
     revision: str | None = Field(None, description="branch, tag or commit of the hub model; default its main branch")
     gguf_file: str | None = Field(None, description="the GGUF file inside the hub repo or folder `name` (when `name` "
                                   "is not itself a .gguf file); its weights are dequantized on load")
-    task: Literal["seq_cls", "seq2seq", "causal_lm"] = Field(
-        "seq_cls", description="seq_cls: a classification head on the model (accuracy, macro-F1); seq2seq: an "
-        "encoder-decoder generating the target (ROUGE); causal_lm: a decoder continuing prompt + target, loss on "
-        "the target tokens only (ROUGE)")
-    num_labels: int | None = Field(2, ge=2, description="seq_cls: number of classes; null for the other tasks, "
-                                   "and for seq_cls: inferred (the count of data.label_names, or the largest "
+    num_labels: int | None = Field(2, ge=2, description="a classifier's number of classes (method classify); null "
+                                   "for the other methods, and for classify: inferred (the count of data.label_names, or the largest "
                                    "integer label + 1)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the weights that are not quantized. auto: float32 unquantized (mixed "
@@ -267,20 +265,15 @@ class AdaptersConfig(Section):
         return self
 
 
-# What validation during training computes, per model.task: val_<name> for each (loss: mean per row or target
-# token; the others by the evaluate stage's metric modules, stages/methods/metrics.py). Lower is better for loss.
-VALIDATION_METRICS = {"seq_cls": ("loss", "accuracy", "macro_f1"),
-                      "seq2seq": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match"),
-                      "causal_lm": ("loss", "rouge1", "rouge2", "rougeL", "rougeLsum", "exact_match")}
 LOWER_IS_BETTER = ("loss",)
 
 
 class SelectBest(Section):
     metric: str = Field(..., pattern=r"^val_\w+$", description="validation metric to select on, val_<name>: "
-                        "val_loss (mean per row or target token); seq_cls: val_accuracy, val_macro_f1; seq2seq / "
-                        "causal_lm: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match (greedy generation of the "
-                        "validation rows, up to tokenize.max_target_length tokens). Checked against model.task "
-                        "when the config loads")
+                        "val_loss (mean per row or target token); classify: val_accuracy, val_macro_f1; seq2seq / "
+                        "sft: val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match (greedy generation of the "
+                        "validation rows, up to tokenize.max_target_length tokens). Checked against the method at "
+                        "plan time")
     mode: Literal["max", "min"] | None = Field(None, description="max: higher is better; min: lower is better; "
                                                "null: min for val_loss, max for the others")
 
@@ -404,7 +397,7 @@ class EvaluateConfig(Section):
     batch_size: int = Field(8, ge=1, description="rows per forward / generate call (in the key: padding and "
                             "batched beam search can change generated text at float precision)")
     max_examples: int | None = Field(None, ge=1, description="evaluate only the first N rows of each split")
-    num_beams: int = Field(1, ge=1, description="1: greedy decoding; more: beam search (seq2seq, causal_lm)")
+    num_beams: int = Field(1, ge=1, description="1: greedy decoding; more: beam search (seq2seq, sft)")
     max_new_tokens: int = Field(128, ge=1, description="generation limit per example")
     length_penalty: float = Field(1.0, description="beam search only: > 1 favours longer, < 1 shorter outputs")
     log_examples: int = runtime(3, ge=0, description="predictions shown in the log per split")
@@ -414,7 +407,7 @@ class EvaluateConfig(Section):
                                       "project's offline modules (stages/methods/metric_modules); a path is a local `evaluate` "
                                       "module (its file's content is in the key); any other name is loaded from "
                                       "the Hugging Face hub (online only). null: the task's: [accuracy, f1] for "
-                                      "seq_cls, [rouge] for generation")
+                                      "classify, [rouge] for generation")
     baseline: bool = Field(False, description="also evaluate the untuned model (LoRA switched off, or a full "
                            "finetune's base) on the same rows with the same settings: metrics.json's numbers "
                            "beside the zero-shot ones (baseline_metrics.json, baseline_predictions.jsonl), in the "
@@ -426,7 +419,7 @@ class ExportConfig(Section):
         "auto", description="LoRA: what sits at the top of the export folder. adapter: the PEFT adapter "
         "(AutoPeftModelFor... loads it with its base, named by hub id and pinned commit); merged: the base with "
         "the LoRA merged in (AutoModelFor...), the adapter in adapter/. auto: adapter when the folder alone can "
-        "rebuild the model that way (an unquantized hub base with its own head: seq2seq, causal_lm), else "
+        "rebuild the model that way (an unquantized hub base with its own head: seq2seq, sft), else "
         "merged (a package, local, GGUF or random base; a classifier's new head; a 4/8-bit base, dequantized). "
         "A full finetune's model is always at the top")
     merge: bool = Field(False, description="with the adapter at the top: also write merged/ (the base dequantized "
@@ -435,7 +428,7 @@ class ExportConfig(Section):
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
     formats: list[Literal["hf", "onnx", "gguf"]] = Field(
         ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
-        "`layout` says what is at its top), its tokenizer and card. onnx (seq_cls, seq2seq; pip install "
+        "`layout` says what is at its top), its tokenizer and card. onnx (classify, seq2seq; pip install "
         "'.[onnx]'): onnx/model.onnx (seq2seq: encoder.onnx and decoder.onnx) beside it, checked in onnxruntime "
         "against the exported model on the evaluated rows before the export is committed (docs/export.md#onnx). gguf (Llama-family causal LMs; pip install "
         "'.[gguf]'): gguf/model-<type>.gguf for each of gguf_types, the merged weights converted by llama.cpp's "
@@ -486,9 +479,43 @@ class TrackingConfig(Section):
                                      "run per sweep (pip install '.[mlflow]')")
 
 
+# The methods' settings classes by method name (stages/methods/ fills it when imported; a user's method,
+# MODULE:CLASS or path.py:CLASS, is loaded by `settings_loader`, which stages/methods/ sets too).
+METHOD_SETTINGS: dict[str, type[MethodConfig]] = {}
+settings_loader: list[Callable[[str], type[MethodConfig]]] = []
+# pipeline files of before methods: model.task's values and the method each is now
+LEGACY_TASKS = {"seq_cls": "classify", "seq2seq": "seq2seq", "causal_lm": "sft"}
+_told: set[str] = set()
+
+
+class MethodConfig(Section):
+    """What is learned: the method's name, and its own settings (a method's settings class adds them)."""
+
+    name: str = Field("classify", description="the training method, what is learned. classify: a classification "
+                      "head on the model (accuracy, macro-F1); seq2seq: an encoder-decoder generating the target "
+                      "(ROUGE); sft: a decoder continuing prompt + target, the loss on the target tokens only "
+                      "(ROUGE; perplexity without targets); or your own method, MODULE:CLASS or path/to/file.py:CLASS "
+                      "(docs/methods.md). `finetune methods` lists them")
+    # the method's head (stages/models/heads.py), here so that model-side stages find it from the config alone
+    head: ClassVar[str] = "seq_cls"
+
+
+def method_settings(name: str) -> type[MethodConfig]:
+    """The settings class of the method `name` (a ValueError listing the methods when there is none)."""
+    if not METHOD_SETTINGS:
+        # the registry sits above this schema in the layers: import it by name, which fills METHOD_SETTINGS
+        importlib.import_module("stages.methods")
+    if name in METHOD_SETTINGS:
+        return METHOD_SETTINGS[name]
+    if ":" in name and settings_loader:
+        return settings_loader[0](name)
+    raise ValueError(f"{name!r} is not a method; use one of {', '.join(METHOD_SETTINGS)}, or your own as "
+                     f"MODULE:CLASS or path/to/file.py:CLASS (`finetune methods` lists them)")
+
+
 # the config sections the export stage's model card prints; stages/graph.py declares them (with name,
 # description) as export's reads
-CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
+CARD_SECTIONS = ("method", "data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
 
 class PipelineConfig(BaseModel):
@@ -499,6 +526,8 @@ class PipelineConfig(BaseModel):
 
     extends: str | None = runtime(None, description="another pipeline whose settings this one is deep-merged "
                                   "over (only the merged values reach the keys)")
+    method: SerializeAsAny[MethodConfig] = Field(MethodConfig(), description="the training method: `method: NAME`, "
+                                                 "or a mapping with `name` and the method's own settings")
     data: DataConfig = Field(DataConfig(), description="the data stage: source, columns, splits")
     tokenize: TokenizeConfig = Field(TokenizeConfig(), description="the tokenize stage")
     model: ModelConfig = Field(..., description="the model stage: which model, how it is loaded")
@@ -517,14 +546,43 @@ class PipelineConfig(BaseModel):
                                       "absolute (set by the loader; null for the project's pipeline.yaml): "
                                       "commands the project prints repeat it as --config")
 
-    @model_validator(mode="after")
-    def _select_best_is_validated(self) -> PipelineConfig:
-        sb = self.train.select_best
-        names = VALIDATION_METRICS.get(self.model.task, ("loss",))
-        if sb is not None and sb.metric.removeprefix("val_") not in names:
-            raise ValueError(f"train.select_best.metric: validation of model.task {self.model.task} does not compute "
-                             f"{sb.metric}; use one of {', '.join('val_' + n for n in names)}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _task_is_a_method_now(cls, data: Any) -> Any:
+        """model.task (before methods) keeps loading: its method, with one line giving the new spelling."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, dict) or "task" not in model:
+            return data
+        task = model["task"]
+        method = LEGACY_TASKS.get(task) if isinstance(task, str) else None
+        if method is None:
+            raise ValueError(f"model.task: {task!r} is not one of {', '.join(LEGACY_TASKS)}; model.task is spelled "
+                             f"`method:` now (top level): one of {', '.join(LEGACY_TASKS.values())}")
+        out = {**data, "model": {k: v for k, v in model.items() if k != "task"}}
+        given = data.get("method")
+        given_name = given.get("name") if isinstance(given, dict) else given
+        if given_name is not None and given_name != method:
+            raise ValueError(f"model.task {task} and method {given_name} disagree; drop model.task (spelled "
+                             f"`method:` now)")
+        out.setdefault("method", method)
+        if task not in _told:
+            _told.add(task)
+            logging.getLogger("finetune.config").warning(
+                "model.task: %s is spelled `method: %s` now (top level of the pipeline); loaded as that", task, method)
+        return out
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_settings(cls, value: Any) -> Any:
+        """`method: NAME` or {name: NAME, its settings...}, validated by that method's settings class."""
+        if isinstance(value, MethodConfig):
+            return value
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise ValueError("give a method's name, or a mapping with `name` and the method's settings")
+        name = value.get("name", "classify")
+        return method_settings(str(name)).model_validate({**value, "name": name})
 
     @model_validator(mode="after")
     def _packed_train_split_is_not_evaluated(self) -> PipelineConfig:

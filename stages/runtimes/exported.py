@@ -1,7 +1,7 @@
 """Running an export folder (stages/export.py writes it) on new text: loaded the way a user loads it, with the
 tokenizer and the Auto class alone (AutoPeftModelFor... for an adapter at the top), the texts tokenized as
 the tokenize stage tokenizes (prefix, truncation at tokenize.max_length, the causal prompt without its
-closing special), then the evaluate stage's batched inference (stages/runtimes/inference.py): labels with
+closing special), then the evaluate stage's batched inference (stages/models/inference.py): labels with
 probabilities for a classifier, generated text for seq2seq / causal_lm.
 
 A chat export (a causal LM whose tokenizer has a chat template: the one its conversations were rendered
@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.errors import ConfigError, NonFiniteOutputError
-from stages.methods.tasks import Task, task_of
+from stages.methods import method_of
+from stages.methods.base import Method
+from stages.models.inference import device_for
 from stages.models.model_loading import quiet_transformers
-from stages.runtimes.inference import device_for
+from stages.pipeline.schema import LEGACY_TASKS
 from stages.training.device import Precision, autocast, resolve_precision
 
 PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model
@@ -29,11 +31,18 @@ log = logging.getLogger("finetune.predict")
 
 
 @dataclass
+def method_name(settings: dict[str, Any]) -> str:
+    """The method of an export's pipeline settings (an export of before methods names its model.task)."""
+    if "method" in settings:
+        return str(settings["method"]["name"])
+    return LEGACY_TASKS[settings["model"]["task"]]
+
+
 class Exported:
     folder: Path
     model: Any
     tok: Any
-    task: Task
+    method: Method
     prefix: str
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
@@ -72,7 +81,7 @@ def export_settings(folder: Path) -> dict[str, Any]:
             raise damaged(f.name, f"cannot be read as JSON ({one_line(e)})") from None
     settings = json.loads((folder / PIPELINE_JSON).read_bytes())
     try:
-        task_of(settings["model"]["task"]), settings["tokenize"]["max_length"], settings["tokenize"]["prefix"]
+        method_of(method_name(settings)), settings["tokenize"]["max_length"], settings["tokenize"]["prefix"]
     except (KeyError, TypeError, ValueError, ConfigError) as e:
         why = f"no {e}" if isinstance(e, KeyError) else one_line(e)
         raise damaged(PIPELINE_JSON, f"is not an export's settings ({why})") from None
@@ -100,26 +109,26 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
                           f"adapter_config.json); give a pipeline name or the export stage's folder")
     settings = export_settings(folder)
     quiet_transformers()
-    task = task_of(settings["model"]["task"])
+    method = method_of(method_name(settings))
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     if chat:
-        refuse_chat(folder, task, tok)
-    name = task.auto_class
+        refuse_chat(folder, method, tok)
+    name = method.head.auto_class
     generation: dict[str, Any] = {}
-    if task.generates:
+    if method.head.generates:
         gen = transformers.GenerationConfig.from_pretrained(str(folder))
         generation = {"generation_config": gen}
     max_length = settings["tokenize"]["max_length"]
     if runtime.startswith("gguf"):
-        if not task.decoder_only:
-            raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; GGUF exports are of causal "
-                              f"LMs (causal_lm): give --runtime torch")
+        if not method.head.decoder_only:
+            raise ConfigError(f"--runtime {runtime}: {folder} is a {method.name} export; GGUF exports are of causal "
+                              f"LMs (method sft): give --runtime torch")
         from stages.formats.gguf_export import runtime_model as gguf_model
 
         model = gguf_model(folder, runtime)
     elif runtime != "torch":
-        if task.decoder_only:
-            raise ConfigError(f"--runtime {runtime}: {folder} is a {task.name} export; ONNX exports are of "
+        if method.head.decoder_only:
+            raise ConfigError(f"--runtime {runtime}: {folder} is a {method.name} export; ONNX exports are of "
                               f"classifiers and seq2seq models: give --runtime torch (or gguf, with export.formats [hf, gguf])")
         from stages.formats.onnx_export import runtime_model
 
@@ -131,7 +140,7 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
     else:
         model = getattr(transformers, name).from_pretrained(str(folder), use_safetensors=True)
     model.eval()
-    return Exported(folder, model, tok, task, settings["tokenize"]["prefix"], max_length,
+    return Exported(folder, model, tok, method, settings["tokenize"]["prefix"], max_length,
                     generation, settings.get("train", {}).get("mixed_precision", "auto"), runtime)
 
 
@@ -139,13 +148,13 @@ def token_ids(ex: Exported, texts: list[str]) -> list[list[int]]:
     """The tokenize stage's input ids: prefix + text, truncated keeping the closing specials; a causal prompt
     without them (evaluate's prompt_of)."""
     ids = ex.tok([ex.prefix + t for t in texts], truncation=True, max_length=ex.max_length)["input_ids"]
-    return ex.task.prompt_ids(ex.tok, ids)
+    return ex.method.prompt_ids(ex.tok, ids)
 
 
-def refuse_chat(folder: Path, task: Task, tok: Any) -> None:
+def refuse_chat(folder: Path, method: Method, tok: Any) -> None:
     """A conversation needs a decoder and a chat template to render it with."""
-    if not task.decoder_only:
-        raise ConfigError(f"--chat / --messages-column: {folder} is a {task.name} export ({task.pipeline_tag}), "
+    if not method.head.decoder_only:
+        raise ConfigError(f"--chat / --messages-column: {folder} is a {method.name} export ({method.head.pipeline_tag}), "
                           f"not a chat model; give --text or --file with a text column")
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"--chat / --messages-column: {folder} has no chat template (its tokenizer has none: the "
@@ -198,7 +207,7 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
     import torch
 
     if conversations is not None:
-        refuse_chat(ex.folder, ex.task, ex.tok)
+        refuse_chat(ex.folder, ex.method, ex.tok)
     ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
     if ex.runtime != "torch":  # onnxruntime / llama.cpp compute in the file's own precision; autocast does not reach
         device = torch.device("cpu")
@@ -213,7 +222,7 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
     # inference_mode, not only no_grad: no version counters or views tracked (nothing here trains afterwards)
     with torch.inference_mode(), autocast(chosen, device):
         try:
-            return ex.task.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)
+            return ex.method.predict(ex.model, ex.tok, ex.generation, ids, batch_size, overrides, device, log)
         except NonFiniteOutputError as e:
             raise NonFiniteOutputError(f"export {ex.folder}: {e}; export it again from a verified store "
                                        f"(finetune inspect verify)") from None

@@ -24,22 +24,12 @@ import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stages.engine.errors import ConfigError
-from stages.methods.tasks import task_of
-from stages.pipeline.schema import PipelineConfig
 from stages.text.tokens import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
 
 STRATEGY = "best-fit decreasing"
-
-
-def check_packing(cfg: PipelineConfig) -> None:
-    """At plan time (the tokenize stage's check): packing is for a task whose rows can share a sequence."""
-    if cfg.tokenize.packing and not task_of(cfg.model.task).packs:
-        raise ConfigError(f"tokenize.packing: packs causal_lm rows only, model.task is {cfg.model.task}; set "
-                          "tokenize.packing: false")
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Token ids of texts, shaped the way every stage and task reads them: the tokenizer's special tokens kept
 when a text is cut to a length, and a causal LM's prompt + target rows with the loss on the target only. The
-tokenize stage writes these rows; the tasks (stages/methods/tasks.py) build their labels with them."""
+tokenize stage writes these rows; the methods (stages/methods/) build their features with them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import logging
 from typing import Any, cast
 
 from stages.engine.progress import iterate
-from stages.models.hf import special_affixes
+from stages.models.hf import IGNORE_INDEX, special_affixes
 from stages.pipeline.schema import TokenizeConfig
-
-IGNORE_INDEX = -100  # the label of positions without loss (PyTorch's default ignore_index)
 
 
 def bare_ids(tok: Any, texts: list[str], batch_size: int, desc: str) -> list[list[int]]:

@@ -16,7 +16,7 @@ an epoch is just "how many effective batches are done".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -63,48 +63,55 @@ def shard(batch: list[int], lengths: Sequence[int], rank: int, world: int) -> li
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
+    """A collated micro-batch: named tensors (a method's collate decides which), the units its loss is summed
+    over (rows, target tokens, pairs...), and the tokens computed with and without padding."""
+
+    tensors: dict[str, torch.Tensor]
+    units: int
     real_tokens: int  # non-pad input tokens
     padded_tokens: int  # tokens computed, padding included (rows x longest row)
-    # packed rows (tokenize.packing): each row's positions from 0, the padding a block of its own; None unpacked
-    position_ids: torch.Tensor | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
 
     def to(self, device: torch.device | str) -> Batch:
-        pos = None if self.position_ids is None else self.position_ids.to(device)
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device),
-                     self.real_tokens, self.padded_tokens, pos)
+        return replace(self, tensors={k: v.to(device) for k, v in self.tensors.items()})
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return next(iter(self.tensors.values())).shape[0]
 
 
-class LabelsOf(Protocol):
-    """What collating needs of a task (stages/methods/tasks.py): its labels as a tensor."""
+class Collates(Protocol):
+    """What batching needs of a method (stages/methods/base.py): its collate."""
 
-    def label_tensor(self, rows: list[dict]) -> torch.Tensor: ...
+    def collate(self, rows: list[dict], pad_id: int) -> Batch: ...
 
 
-def collate(rows: list[dict], pad_id: int, task: LabelsOf) -> Batch:
-    """Pad a micro-batch to its longest row (right padding); the task makes its labels (class ids, or token
-    ids padded with IGNORE_INDEX). Packed sequences (a position_ids column) keep their position ids, and the
-    padding after them counts 0, 1, ... as a row of its own: causal attention never lets a real token see
+def pad_tokens(rows: list[dict], pad_id: int, column: str = "input_ids"
+               ) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Rows' token ids padded to the longest (right padding): {input_ids, attention_mask[, position_ids]}, the
+    real and the computed token counts. Packed sequences (a position_ids column) keep their position ids, and
+    the padding after them counts 0, 1, ... as a row of its own: causal attention never lets a real token see
     the padding after it, and the padding's labels are ignored, so padding cannot change the real tokens' loss."""
-    width = max(len(r["input_ids"]) for r in rows)
+    width = max(len(r[column]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     packed = "position_ids" in rows[0]
     pos = torch.arange(width, dtype=torch.long).repeat(len(rows), 1) if packed else None
     for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n] = torch.as_tensor(r["input_ids"], dtype=torch.long)
+        n = len(r[column])
+        ids[i, :n] = torch.as_tensor(r[column], dtype=torch.long)
         mask[i, :n] = 1
         if pos is not None:
             pos[i, :n] = torch.as_tensor(r["position_ids"], dtype=torch.long)
             pos[i, n:] = torch.arange(width - n)
-    real = int(mask.sum())
-    return Batch(ids, mask, task.label_tensor(rows), real, ids.numel(), pos)
+    out = {"input_ids": ids, "attention_mask": mask}
+    if pos is not None:
+        out["position_ids"] = pos
+    return out, int(mask.sum()), ids.numel()
 
 
 def padding_share(batches: list[list[int]], lengths: Sequence[int], micro_batch: int) -> float:
@@ -140,14 +147,15 @@ class Rows:
         return len(self.lengths)
 
     def get(self, idx: list[int]) -> list[dict]:
+        """The rows, each with every column the method wrote (the row's id and length aside)."""
         if isinstance(self.ds, list):
             return [self.ds[i] for i in idx]
-        names = ["input_ids", "labels"] + (["position_ids"] if self.packed else [])
+        names = [c for c in self.ds.column_names if c not in ("id", "length")]
         cols = self.ds[idx]
         return [{k: cols[k][j] for k in names} for j in range(len(idx))]
 
-    def batches(self, idx: list[int], micro: int, pad_id: int, task: LabelsOf) -> list[Batch]:
-        return [collate(self.get(mb), pad_id, task) for mb in split_micro(idx, self.lengths, micro)]
+    def batches(self, idx: list[int], micro: int, pad_id: int, method: Collates) -> list[Batch]:
+        return [method.collate(self.get(mb), pad_id) for mb in split_micro(idx, self.lengths, micro)]
 
 
 def validation_rows(val_ds: Any, max_examples: int | None) -> Rows | None:

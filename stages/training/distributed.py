@@ -276,41 +276,6 @@ def share_folder(folder: Path | None, dest: Path, device: Any) -> Path | None:
     return target
 
 
-def shard_window(model: Any, rows: Any, idx: list[int], micro_batch_size: int, pad_id: int, task: Any,
-                 accelerator: Any) -> tuple[float, int, int]:
-    """The train step's window in one of N processes (stages/train.py's step, world > 1): this process's
-    share of one *global* effective batch (batching.shard deals its rows out), forward and backward. Each
-    micro-batch's summed loss is divided by the count over the whole global effective batch (the per-process
-    counts, all-reduced) and multiplied by N before backward, because DDP *averages* gradients over
-    processes: the all-reduced gradient is then exactly that of the loss averaged over the global effective
-    batch, as in one process. Returns the global loss, real and padded tokens."""
-    # torch and the helpers built on it are imported here: the launcher above is imported at plan time
-    import torch
-
-    from stages.training.batching import shard
-
-    world, device = accelerator.num_processes, accelerator.device
-    mine = shard(idx, rows.lengths, accelerator.process_index, world)
-    micro = [mb.to(device) for mb in rows.batches(mine, micro_batch_size, pad_id, task)] if mine else []
-    units = torch.tensor([sum(task.loss_units(mb) for mb in micro)], dtype=torch.long, device=device)
-    denominator = max(int(accelerator.reduce(units, reduction="sum").item()), 1)
-    # a short last batch with fewer rows than processes leaves this one none: a zero-weight pass over one
-    # row keeps DDP's all-reduce in step
-    passes = micro or [rows.batches(idx[:1], 1, pad_id, task)[0].to(device)]
-    scale = float(world) if micro else 0.0
-    total = torch.zeros((), device=device)
-    for k, mb in enumerate(passes):
-        # gradients are all-reduced once, on the last micro-batch
-        with accelerator.no_sync(model) if k < len(passes) - 1 else contextlib.nullcontext():
-            loss = task.summed_loss(model, mb) / denominator
-            accelerator.backward(loss * scale)
-        total += loss.detach().float()
-    stats = torch.tensor([float(total) if micro else 0.0, sum(mb.real_tokens for mb in micro),
-                          sum(mb.padded_tokens for mb in micro)], dtype=torch.float64, device=device)
-    loss_sum, real, padded = accelerator.reduce(stats, reduction="sum").tolist()
-    return loss_sum, int(real), int(padded)
-
-
 def main(argv: list[str]) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # rank 0 tells the story; the others speak up only for warnings

@@ -4,8 +4,8 @@ built on the meta device, no weights read), and the precheck that stops a run th
 from __future__ import annotations
 
 from stages.engine.units import human_bytes
-from stages.methods.tasks import task_of
 from stages.models import memory
+from stages.models.heads import head_of
 from stages.models.model_loading import compute_dtype, hf_config, meta_and_plan
 from stages.pipeline.schema import PipelineConfig
 
@@ -13,15 +13,16 @@ from stages.pipeline.schema import PipelineConfig
 def estimate_pipeline(cfg: PipelineConfig) -> memory.Estimate:
     """The whole training estimate for a PipelineConfig: weights, adapters, gradients, optimizer state and
     activations for train.micro_batch_size x tokenize.max_length. Loads no weights."""
-    config = hf_config(cfg.model)
-    meta, plan = meta_and_plan(cfg.model, cfg.quantization, config)
+    head = head_of(cfg)
+    config = hf_config(cfg.model, head)
+    meta, plan = meta_and_plan(cfg.model, cfg.quantization, config, head)
     est = memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, cfg.adapters)
     est.gradients = 4 * est.trainable_params
     est.optimizer = memory.OPTIMIZER_STATE_BYTES[cfg.train.optimizer] * est.trainable_params
     compute = compute_dtype(cfg.quantization.compute_dtype)
     t = cfg.tokenize
     est.activations = memory.activation_bytes(config, cfg.train.micro_batch_size, t.max_length,
-                                       t.max_target_length if task_of(cfg.model.task).encoder_decoder else None,
+                                       t.max_target_length if head.encoder_decoder else None,
                                        memory.DTYPE_BYTES[compute], cfg.train.gradient_checkpointing)
     return est
 

@@ -54,9 +54,10 @@ OTHER_END = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
 
 def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and_at_eos():
     from stages.methods.tasks import TASKS
+
     from stages.models.hf import load_tokenizer
+    from stages.models.inference import end_of_turn
     from stages.pipeline.schema import EvaluateConfig, PipelineConfig, TokenizeConfig
-    from stages.runtimes.inference import end_of_turn
     from stages.text import chat
     from stages.text.tokens import IGNORE_INDEX
 

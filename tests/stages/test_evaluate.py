@@ -9,9 +9,9 @@ from pathlib import Path
 import helpers
 import pytest
 from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
+from stages.methods.tasks import Classification
 
 from stages.methods import metrics
-from stages.methods.tasks import Classification
 from stages.sources.arrow import read_split
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
@@ -208,7 +208,7 @@ def test_batched_generation_equals_one_at_a_time(decoder_only):
     import torch
     from tiny_train import tiny_t5
 
-    from stages.runtimes.inference import generate, prompt_of
+    from stages.models.inference import generate, prompt_of
 
     if decoder_only:
         from transformers import BloomConfig, BloomForCausalLM

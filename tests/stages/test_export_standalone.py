@@ -88,7 +88,7 @@ def evaluated_logits(out: dict, n: int) -> torch.Tensor:
     import datasets
 
     from stages.evaluate import load_evaluated
-    from stages.runtimes.inference import class_logits
+    from stages.models.inference import class_logits
 
     rows = datasets.load_from_disk(str(out["tokenize"].path / "dataset"))["test"]["input_ids"][:n]
     model = load_evaluated(out["model"].path, out["adapters"].path, out["train"].path)

@@ -13,9 +13,7 @@ import torch
 
 from stages.engine.errors import NonFiniteOutputError
 from stages.engine.progress import iterate
-from stages.models.hf import special_affixes
-from stages.text.tokens import IGNORE_INDEX
-from stages.training.batching import split_micro
+from stages.models.hf import IGNORE_INDEX, special_affixes
 
 log = logging.getLogger("finetune.inference")
 
@@ -38,7 +36,8 @@ def device_for(model: torch.nn.Module) -> torch.device:
 def batches(lengths: list[int], batch_size: int, desc: str, logger: logging.Logger | None = None
             ) -> Iterator[list[int]]:
     """Row indices in batches of similar length, longest first, with a progress bar (or log lines)."""
-    yield from iterate(split_micro(list(range(len(lengths))), lengths, batch_size), desc, logger or log)
+    rows = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    yield from iterate([rows[i:i + batch_size] for i in range(0, len(rows), batch_size)], desc, logger or log)
 
 
 def padded(seqs: list[list[int]], pad_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
