@@ -343,7 +343,8 @@ def named_columns(d: DataConfig, method: str | None) -> list[tuple[str, str, str
     for key, col in need.items():
         if col is None:
             raise ConfigError(f"{key} is not set but method {method} needs it; set it in pipeline.yaml")
-    return [(key, col, f"set {key} to one of them") for key, col in need.items() if col is not None]
+    return [(key, col, f"set {key} to one of them" if key.startswith("data.") else
+             f"method {method} reads it: give the data a '{col}' column") for key, col in need.items() if col is not None]
 
 
 def check_columns(where: str, present: list[str], needed: list[tuple[str, str, str]], cfg: Any = None) -> None:
@@ -376,7 +377,7 @@ def refuse_structured(df: pd.DataFrame, columns_: dict[str, str | None], d: Data
 
 
 def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
-    """Keep id/text/label/target with stable ids; check columns and labels. Conversations (data.format
+    """Keep id/text/label/target (and the method's own columns) with stable ids; check columns and labels. Conversations (data.format
     messages or alpaca) keep their turns in `messages`; text and target are their last exchange."""
     import pandas as pd
 
@@ -395,7 +396,10 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
         need = needs.required_columns(d, target_col)
         refuse_structured(df, need, d, split)
         ids = df["id"].astype(str) if "id" in df.columns else pd.Series([f"{split}/{i}" for i in range(len(df))])
-        cols = {"id": ids.to_numpy(), "text": df[d.text_column].astype(str).to_numpy()}
+        cols = {"id": ids.to_numpy()}
+        if needs.text:
+            cols["text"] = df[d.text_column].astype(str).to_numpy()
+        cols.update({c: df[c].astype(str).to_numpy() for c in needs.columns})
         if needs.classifies:
             cols["label"] = label_ids(df[d.label_column], d.label_names, cfg.model.num_labels, split)
         if target_col and target_col in df.columns:

@@ -12,7 +12,6 @@ import functools
 import sys
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from stages import data
@@ -20,7 +19,7 @@ from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph
 from stages.engine.stage import Lazy, Stage
 from stages.formats import export_layout, gguf_export, onnx_export
-from stages.methods import BUILTIN, method_in, method_of, user_file
+from stages.methods import BUILTIN, method_in, method_of, user_files
 from stages.methods.base import Method
 from stages.methods.metrics import metric_files, validation_metric_files
 from stages.models.hf import (
@@ -94,7 +93,7 @@ CORE = Graph([
         body=Lazy("stages.model", "run"),
         precheck=Lazy("stages.training.pipeline_memory", "check_pipeline_fits"),  # stop before loading when training cannot fit
         check=check_model,  # a folder's config.json, its weights (safetensors only), its code; a tokenizer's vocabulary
-        reads=("model", "quantization", "tokenize.tokenizer", "data.label_names"),  # names: the head's id2label
+        reads=("model", "quantization", "tokenize.tokenizer", "data.label_names", "method.name"),  # names: id2label
         resolve=resolve_compute_dtype,  # quantized, auto -> the compute dtype this machine loads in, before the keys
         inputs=model_input_files,
         deps=model_deps,
@@ -170,17 +169,19 @@ def _roots(method: Method, part: str) -> tuple[Any, ...]:
     return (cls,)
 
 
-def _with_file(inputs: Callable[[PipelineConfig], Any], file: Path) -> Callable[[PipelineConfig], Any]:
-    """A stage's input files plus a user's method module (its content in the key)."""
+def _with_files(inputs: Callable[[PipelineConfig], Any], name: str) -> Callable[[PipelineConfig], Any]:
+    """A stage's input files plus a user's method modules (their content in the key), found as they are now."""
     def both(cfg: PipelineConfig) -> Any:
-        got = inputs(cfg)
-        return {**got, "method": file} if isinstance(got, dict) else [*got, file]
+        got, files = inputs(cfg), user_files(name)
+        if isinstance(got, dict):
+            return {**got, **{f"method/{f.name}": f for f in files}}
+        return [*got, *files]
     return both
 
 
 @functools.cache
 def _graph(name: str) -> Graph:
-    method, file = method_of(name), user_file(name)
+    method, user = method_of(name), bool(user_files(name))
     added = method.stages()
     ups = method.upstream()
     out: list[Stage] = []
@@ -188,15 +189,13 @@ def _graph(name: str) -> Graph:
         part = METHOD_PARTS.get(st.name)
         if part is not None:
             st = replace(st, code=(*st.code, *_roots(method, part)),
-                         inputs=_with_file(st.inputs, file) if file is not None else st.inputs)
+                         inputs=_with_files(st.inputs, name) if user else st.inputs)
         if st.name in ups:
             st = replace(st, upstream=(*st.upstream, *ups[st.name]))
         out.append(st)
     for st in added:  # right after the last of its upstream
-        if file is not None:
-            st = replace(st, code=(*st.code, type(method)), inputs=_with_file(st.inputs, file))
-        else:
-            st = replace(st, code=(*st.code, type(method)))
+        st = replace(st, code=(*st.code, type(method)),
+                     inputs=_with_files(st.inputs, name) if user else st.inputs)
         at = max((i for i, s in enumerate(out) if s.name in st.upstream), default=-1) + 1
         out.insert(at, st)
     return Graph(out)

@@ -56,7 +56,7 @@ from stages.engine.stage import StageContext
 from stages.methods import method_of
 from stages.models.hf import load_tokenizer
 from stages.models.model_loading import count_parameters, load_trainable, save_trained
-from stages.pipeline.schema import TrainConfig
+from stages.pipeline.schema import MethodConfig, TrainConfig, method_settings
 from stages.text.packing import keeps_rows_apart
 from stages.training import distributed
 from stages.training.batching import Rows, epoch_batches, shard, validation_rows
@@ -84,13 +84,13 @@ from stages.training.train_checks import check_validation
 # ====================================================================== the stage
 
 def run(ctx: StageContext) -> dict[str, Any]:
-    method, tcfg = ctx.cfg.method.name, ctx.cfg.train
+    method, tcfg = ctx.cfg.method, ctx.cfg.train
     if tcfg.num_processes > 1 or tcfg.num_machines > 1:  # the same body, once per process, under `accelerate launch`
         return launch_training(method, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
     return train_stage(method, tcfg, ctx.upstream, ctx.out_dir, ctx.work_dir, ctx.log)
 
 
-def train_stage(method: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def train_stage(method: MethodConfig, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                 log: logging.Logger) -> dict[str, Any]:
     import datasets
 
@@ -105,7 +105,8 @@ def train_stage(method: str, tcfg: TrainConfig, upstream: dict[str, Path], out_d
     return result
 
 
-def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, method: str, pad_id: int,
+def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainConfig, method: MethodConfig | str,
+                pad_id: int,
                 out_dir: Path, work_dir: Path, log: logging.Logger, *, tokenizer: Any = None) -> dict[str, Any]:
     """Train `model` in place on the tokenized `train_ds` (with train.select_best: left holding the best
     validation's weights); write metrics.jsonl, tensorboard/ and loss.png to out_dir; resume from (and
@@ -121,9 +122,9 @@ def train_model(model: torch.nn.Module, train_ds: Any, val_ds: Any, tcfg: TrainC
 class TrainRun:
     """One training run, torchtune's recipe shape: construct, setup(), train(), cleanup()."""
 
-    def __init__(self, cfg: TrainConfig, method: str, work_dir: Path, log: logging.Logger):
+    def __init__(self, cfg: TrainConfig, method: MethodConfig | str, work_dir: Path, log: logging.Logger):
         self.cfg = cfg
-        self.method = method_of(method)
+        self.method = method_of(method) if isinstance(method, str) else method_of(method.name).bound(method)
         self.log = log
         self.work_dir = work_dir
         self.ckpt_dir = work_dir / "checkpoints"
@@ -467,12 +468,12 @@ def distributed_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def launch_training(method: str, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
+def launch_training(method: MethodConfig, tcfg: TrainConfig, upstream: dict[str, Path], out_dir: Path, work_dir: Path,
                     log: logging.Logger) -> dict[str, Any]:
     """train.num_processes > 1: run `train_worker` in that many processes (one per GPU; gloo processes on
     a CPU-only machine) under `accelerate launch`, owned and awaited by this stage. Rank 0 writes
     checkpoints into work_dir and the artifact into out_dir, which are passed down as they are."""
-    args = {"method": method, "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
+    args = {"method": method.model_dump(mode="json"), "train": tcfg.model_dump(mode="json"), "upstream": {k: str(v) for k, v in upstream.items()},
             "out_dir": str(out_dir), "work_dir": str(work_dir)}
     return distributed.launch("stages.train:train_worker", args, tcfg.num_processes, work_dir / "launch", log,
                               port=tcfg.main_process_port, config_file=tcfg.accelerate_config, what="train",
@@ -484,5 +485,5 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """One of the launched processes (stages.training.distributed runs it; rank 0's return value is the stage's)."""
     if torch.cuda.is_available():  # before loading: a quantized model goes to the current device (model.load_model)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    return train_stage(args["method"], TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
+    return train_stage(method_settings(args["method"]["name"]).model_validate(args["method"]), TrainConfig(**args["train"]), {k: Path(v) for k, v in args["upstream"].items()},
                        Path(args["out_dir"]), Path(args["work_dir"]), logging.getLogger("finetune.train"))

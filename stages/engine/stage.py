@@ -105,6 +105,9 @@ class ConfigView:
             return getattr(self._obj, name)
         if any(r.startswith(path + ".") for r in self._reads):
             return ConfigView(getattr(self._obj, name), self._reads, self._stage, path + ".")
+        fields = getattr(type(self._obj), "model_fields", {})
+        if name not in fields and hasattr(type(self._obj), name) and not callable(getattr(type(self._obj), name)):
+            return getattr(self._obj, name)  # a constant of the section's class (a method's head), not a setting
         raise AttributeError(f"stage '{self._stage}' reads config '{path}' but does not declare it in its "
                              f"reads; add it to the stage's reads in stages/graph.py")
 

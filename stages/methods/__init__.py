@@ -9,6 +9,7 @@ another method reruns nothing here.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import sys
@@ -21,7 +22,7 @@ from stages.pipeline import schema
 from stages.pipeline.schema import MethodConfig
 
 BUILTIN = ("classify", "seq2seq", "sft")  # modules of this package, in `finetune methods` order
-_USER: dict[str, Method] = {}
+_USER: dict[str, tuple[Method, str]] = {}
 
 
 def method_of(name: str) -> Method:
@@ -29,28 +30,53 @@ def method_of(name: str) -> Method:
     if name in BUILTIN:
         return importlib.import_module(f"{__name__}.{name}").METHOD
     if ":" in name:
-        if name not in _USER:
-            _USER[name] = _load_user(name)
-        return _USER[name]
+        version = "".join(f"{f}:{f.stat().st_mtime_ns}:{f.stat().st_size};" for f in user_files(name))
+        if _USER.get(name, (None, ""))[1] != version:  # loaded again once its files change
+            _USER[name] = (_load_user(name), version)
+        return _USER[name][0]
     raise ConfigError(f"method: {name!r} is not a method; use one of {', '.join(BUILTIN)}, or your own as "
                       f"MODULE:CLASS or path/to/file.py:CLASS (`finetune methods` lists them)")
 
 
 def method_in(cfg: Any) -> Method:
-    """The method of a pipeline's config."""
-    return method_of(cfg.method.name)
+    """The method of a pipeline's config, with its settings."""
+    return method_of(cfg.method.name).bound(cfg.method)
 
 
-def user_file(name: str) -> Path | None:
-    """The source file of a user's method (its content is in the keys of the stages that run it); None for a
-    built-in one (its code is in those keys through the code fingerprint)."""
+def user_files(name: str) -> list[Path]:
+    """The source files of a user's method: its module and the modules beside it that it imports, directly or
+    through each other (their content is in the keys of the stages that run it, so an edit to code the method
+    runs reruns them, and an edit to another file does not). [] for a built-in method (its code is in those
+    keys through the code fingerprint)."""
     if name in BUILTIN or ":" not in name:
-        return None
+        return []
     module = name.rsplit(":", 1)[0]
     if module.endswith(".py"):
-        return Path(module).expanduser().resolve()
-    spec = importlib.util.find_spec(module)
-    return Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        first = Path(module).expanduser().resolve()
+    else:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin:
+            return []
+        first = Path(spec.origin).resolve()
+    found, todo = [], [first]
+    while todo:
+        f = todo.pop()
+        if f in found or not f.is_file():
+            continue
+        found.append(f)
+        todo += [f.parent / f"{n}.py" for n in _imported(f)] + [f.parent / n / "__init__.py" for n in _imported(f)]
+    return sorted(found)
+
+
+def _imported(file: Path) -> set[str]:
+    """The first part of every module a file imports (absolute and relative)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return names
 
 
 def _load_user(name: str) -> Method:

@@ -64,10 +64,13 @@ class MethodData:
     needs_target: bool = False  # a target column in every split
     source_target: bool = True  # when data.target_column is null, the source's default (billsum: summary)
     chats: bool = False  # conversations (data.format messages / alpaca) rendered with a chat template
+    text: bool = True  # a text column (data.text_column) in every split
+    columns: tuple[str, ...] = ()  # more columns, read under their own names (a pair's chosen and rejected)
 
     def required_columns(self, d: Any, target_column: str | None) -> dict[str, str | None]:
         """{setting: column} the data stage needs in every split (a None column: the setting is missing)."""
-        need: dict[str, str | None] = {"data.text_column": d.text_column}
+        need: dict[str, str | None] = {"data.text_column": d.text_column} if self.text else {}
+        need.update({f"the column {c}": c for c in self.columns})
         if self.classifies:
             need["data.label_column"] = d.label_column
         if self.needs_target:
@@ -102,6 +105,13 @@ class Method:
     chat_examples: ClassVar[list[list[dict[str, str]]]] = []  # the conversations it runs on (a chat export)
     packs: ClassVar[bool] = False  # tokenize.packing may pack its train rows (stages/text/packing.py)
     summary: ClassVar[str] = ""  # one line for `finetune methods`
+
+    def __init__(self, values: MethodConfig | None = None):
+        self.s = values if values is not None else self.settings(name=self.name)  # its settings' values
+
+    def bound(self, values: MethodConfig) -> Method:
+        """This method with a pipeline's settings (`cfg.method`), as the stages that run it use it."""
+        return type(self)(values)
 
     @property
     def head(self) -> Head:
