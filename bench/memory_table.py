@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from stages.models import memory, model_loading  # noqa: E402
 from stages.models.compat.bitsandbytes import quant_state_bytes  # noqa: E402
 from stages.models.compat.transformers import fp32_modules_quantized  # noqa: E402
+from stages.models.heads import HEADS  # noqa: E402
 from stages.pipeline.schema import AdaptersConfig, ModelConfig, QuantizationConfig  # noqa: E402
 
 # T5 v1.0 3B (the t5-3b config on the hub, written out): relu FFN, tied embeddings.
@@ -58,11 +59,13 @@ LORA = AdaptersConfig(method="lora", r=32, alpha=16, dropout=0.05, target_module
 FULL = AdaptersConfig(method="full")
 NONE = QuantizationConfig(mode="none")
 
+SEQ2SEQ = HEADS["seq2seq"]  # T5: an encoder-decoder
+
 
 def configurations(t5: dict[str, Any], name: str) -> tuple[ModelConfig, list[tuple[str, ModelConfig,
                                                                                   QuantizationConfig, str | None]]]:
     """The base model's config and the rows: (row, model config, quantization, the QLoRA row on top of it)."""
-    model = ModelConfig(name=f"{name} (random, from config)", task="seq2seq", num_labels=None, from_config=t5)
+    model = ModelConfig(name=f"{name} (random, from config)", num_labels=None, from_config=t5)
     # The article's load: 4-bit with the rest in fp16 (what load_in_4bit defaulted to), where transformers keeps
     # T5's `wo` in fp32. Loading the rest in bf16, transformers 5 leaves `wo` unquantized but in bf16.
     fp16 = model.model_copy(update={"dtype": "float16"})
@@ -100,12 +103,12 @@ def random_checkpoint(out: Path, config: Any, name: str) -> tuple[Path, float]:
 
 
 def estimate(m: ModelConfig, q: QuantizationConfig, a: AdaptersConfig, config: Any) -> memory.Estimate:
-    meta, plan = model_loading.meta_and_plan(m, q, config)
+    meta, plan = model_loading.meta_and_plan(m, q, config, SEQ2SEQ)
     return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
 
 
 def load(ckpt: Path, m: ModelConfig, q: QuantizationConfig, config: Any) -> Any:
-    meta, plan = model_loading.meta_and_plan(m, q, config)
+    meta, plan = model_loading.meta_and_plan(m, q, config, SEQ2SEQ)
     cls = type(meta)
     with fp32_modules_quantized(cls, q.quantize_fp32_modules):
         return cls.from_pretrained(ckpt, dtype=plan.dtype, quantization_config=model_loading.bnb_config(q, plan))
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     base_cfg, variants = configurations(TINY_T5 if args.smoke else T5_3B, name)
     model_loading.quiet_transformers()
     t_all = time.perf_counter()
-    config = model_loading.hf_config(base_cfg)
+    config = model_loading.hf_config(base_cfg, SEQ2SEQ)
     ckpt, built_s = random_checkpoint(args.out, config, name)
     how = f"built in {built_s:.0f} s" if built_s else "cached"
     print(f"random {name} checkpoint: {ckpt} ({how})", flush=True)

@@ -95,13 +95,13 @@ def tokenization_mismatches(trainer: Any, rows: list[dict]) -> tuple[int, str]:
 
 def first_losses(make: Any, tok: Any, convs: list, rows: list[dict], micro: int) -> tuple[float, float]:
     """(ours, TRL's) mean loss per label token on the same first micro-batch, same untrained model."""
-    from stages.methods.tasks import task_of
+    from stages.methods import method_of
 
-    task = task_of("causal_lm")
+    sft = method_of("sft")
     model = make().eval()
     with torch.no_grad(), tempfile.TemporaryDirectory() as d:
-        b = task.collate(rows[:micro], tok.pad_token_id)
-        ours = float(task.summed_loss(model, b)) / task.loss_units(b)
+        out = sft.step(model, sft.collate(rows[:micro], tok.pad_token_id))
+        ours = float(out.loss_sum) / out.units
         trainer = trl_trainer(model, tok, convs[:micro], False, d, micro, 1)
         inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(micro)])
         theirs = float(trainer.compute_loss(model, inputs))

@@ -297,14 +297,14 @@ def clocks() -> tuple[float, float]:
 def run_bare(make_model, tok, texts, labels, device: torch.device, precision: str) -> dict:
     import torch.nn.functional as F
 
-    from stages.methods.tasks import task_of
+    from stages.methods import method_of
     from stages.training.batching import Rows, epoch_batches
 
     cfg = stage_config(precision)
     rows = Rows(stage_rows(tok, texts, labels))
     effective = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     plan = epoch_batches(rows.lengths, effective, cfg.seed, 0, cfg.group_by_length)
-    steps = [[mb.to(device) for mb in rows.batches(idx, cfg.micro_batch_size, tok.pad_token_id, task_of("seq_cls"))]
+    steps = [[mb.to(device) for mb in rows.batches(idx, cfg.micro_batch_size, tok.pad_token_id, method_of("classify"))]
              for idx in plan]  # the stage's micro-batches, collated before the clock starts
     model = make_model().to(device)
     model.train()
@@ -316,8 +316,8 @@ def run_bare(make_model, tok, texts, labels, device: torch.device, precision: st
         rows_in_step = sum(len(mb) for mb in micro)
         for mb in micro:
             with autocast(precision, device):
-                logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            (F.cross_entropy(logits.float(), mb.labels, reduction="sum") / rows_in_step).backward()
+                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+            (F.cross_entropy(logits.float(), mb["labels"], reduction="sum") / rows_in_step).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if k in (0, len(steps) - 1):  # only the two ends of the steady-state window wait for the device

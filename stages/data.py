@@ -573,7 +573,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     for name, df in splits.items():
         write_arrow(df, ctx.out_dir / f"{name}.arrow")
         stats["rows"][name] = len(df)
-        stats["mean_chars"][name] = round(float(df["text"].str.len().mean()), 1)
+        text = "text" if "text" in df else next(c for c in df.columns if c != "id")  # a method's own columns
+        stats["mean_chars"][name] = round(float(df[text].str.len().mean()), 1)
         if "label" in df:
             stats.setdefault("labels", {})[name] = {str(k): int(v) for k, v in
                                                      df["label"].value_counts().sort_index().items()}

@@ -26,7 +26,9 @@ _USER: dict[str, tuple[Method, str]] = {}
 
 
 def method_of(name: str) -> Method:
-    """The method `name` names: a built-in one, or a user's MODULE:CLASS / path.py:CLASS."""
+    """The method `name` names: a built-in one (or model.task's old name for it), or a user's MODULE:CLASS /
+    path.py:CLASS."""
+    name = schema.LEGACY_TASKS.get(name, name)
     if name in BUILTIN:
         return importlib.import_module(f"{__name__}.{name}").METHOD
     if ":" in name:
@@ -85,6 +87,8 @@ def _load_user(name: str) -> Method:
         path = Path(module_name).expanduser().resolve()
         if not path.is_file():
             raise ConfigError(f"method {name}: {path} not found; give MODULE:CLASS or path/to/file.py:CLASS")
+        if str(path.parent) not in sys.path:  # its own modules beside it import, as when run as a script
+            sys.path.insert(0, str(path.parent))
         unique = "finetune_user_method_" + "".join(c if c.isalnum() else "_" for c in str(path))
         spec = importlib.util.spec_from_file_location(unique, path)
         assert spec is not None and spec.loader is not None

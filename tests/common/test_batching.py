@@ -10,20 +10,20 @@ import pytest
 import torch
 from helpers import SHARED_DATA, needs_shared_data
 
-from stages.methods.tasks import TASKS
+from stages.methods import method_of
 from stages.text.tokens import IGNORE_INDEX
-from stages.training.batching import collate, epoch_batches, padding_share, split_micro
+from stages.training.batching import epoch_batches, padding_share, split_micro
 
 
 def test_collate_pads_to_the_longest_row_only():
-    b = collate([{"input_ids": [5, 6, 7], "labels": [5, 6]}, {"input_ids": [8], "labels": [9, 9, 9]}],
-                pad_id=0, task=TASKS["seq2seq"])
-    assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
-    assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert b.labels.tolist() == [[5, 6, IGNORE_INDEX], [9, 9, 9]]
+    b = method_of("seq2seq").collate([{"input_ids": [5, 6, 7], "labels": [5, 6]},
+                                      {"input_ids": [8], "labels": [9, 9, 9]}], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b["labels"].tolist() == [[5, 6, IGNORE_INDEX], [9, 9, 9]] and b.units == 5
     assert (b.real_tokens, b.padded_tokens) == (4, 6)
-    c = collate([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": 0}], pad_id=0, task=TASKS["seq_cls"])
-    assert c.labels.dtype == torch.long and c.labels.tolist() == [1, 0]
+    c = method_of("classify").collate([{"input_ids": [1, 2], "labels": 1}, {"input_ids": [3], "labels": 0}], pad_id=0)
+    assert c["labels"].dtype == torch.long and c["labels"].tolist() == [1, 0] and c.units == 2
 
 
 @pytest.mark.parametrize("group", [True, False])

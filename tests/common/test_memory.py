@@ -10,12 +10,14 @@ import pytest
 from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.models import memory, model_loading
+from stages.models.heads import HEADS
 from stages.pipeline.schema import AdaptersConfig, ModelConfig, PipelineConfig, QuantizationConfig
 from stages.training import pipeline_memory
 
 T5_3B = {"model_type": "t5", "d_model": 1024, "d_ff": 16384, "d_kv": 128, "num_heads": 32, "num_layers": 24,
          "vocab_size": 32128, "feed_forward_proj": "relu", "tie_word_embeddings": True}
-T5_MODEL = ModelConfig(name="t5-3b", task="seq2seq", num_labels=None, from_config=T5_3B)
+T5_MODEL = ModelConfig(name="t5-3b", num_labels=None, from_config=T5_3B)
+SEQ2SEQ = HEADS["seq2seq"]
 T5_FP16 = T5_MODEL.model_copy(update={"dtype": "float16"})  # the article's 4-bit load: the rest in fp16
 FULL = AdaptersConfig(method="full")
 ARTICLE_LORA = AdaptersConfig(method="lora", r=32, alpha=16, dropout=0.05, target_modules=["v", "o"],
@@ -23,8 +25,8 @@ ARTICLE_LORA = AdaptersConfig(method="lora", r=32, alpha=16, dropout=0.05, targe
 
 
 def t5_estimate(q: QuantizationConfig, a: AdaptersConfig = FULL, m: ModelConfig = T5_FP16) -> memory.Estimate:
-    config = model_loading.hf_config(m)
-    meta, plan = model_loading.meta_and_plan(m, q, config)
+    config = model_loading.hf_config(m, SEQ2SEQ)
+    meta, plan = model_loading.meta_and_plan(m, q, config, SEQ2SEQ)
     return memory.adapters_estimate(memory.weights_estimate(meta, plan), meta, plan, a)
 
 

@@ -9,12 +9,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages.methods.tasks import CausalLM
+from stages.methods.sft import SFT
 from stages.text.packing import best_fit_decreasing, keeps_rows_apart, pack_rows
 from stages.text.tokens import IGNORE_INDEX
-from stages.training.batching import Rows, collate
+from stages.training.batching import Rows
 
-TASK = CausalLM()
+TASK = SFT()
+
+
+def collate(rows, pad, method):
+    return method.collate(rows, pad)
+
+
+def summed_loss(model, b):
+    return TASK.step(model, b).loss_sum
 PAD = 0
 LENGTHS = [9, 3, 14, 5, 7, 11, 4, 6, 2, 8]  # rows of different lengths, packed into sequences of 16
 
@@ -50,8 +58,8 @@ def per_row_loss(model: torch.nn.Module, seqs: list[dict], members: list[list[in
     """Each unpacked row's summed loss, read off one packed micro-batch of `seqs` (the train step's collate and
     forward; a row's token losses end where the next row's position ids restart at 0)."""
     b = collate(seqs, PAD, TASK)
-    logits = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits[:, :-1]
-    tok = F.cross_entropy(logits.float().transpose(1, 2), b.labels[:, 1:], ignore_index=IGNORE_INDEX,
+    logits = model(input_ids=b["input_ids"], position_ids=b.get("position_ids"), use_cache=False).logits[:, :-1]
+    tok = F.cross_entropy(logits.float().transpose(1, 2), b["labels"][:, 1:], ignore_index=IGNORE_INDEX,
                           reduction="none")
     out = torch.zeros(n_rows)
     for s, rows in enumerate(members):
@@ -64,7 +72,7 @@ def per_row_loss(model: torch.nn.Module, seqs: list[dict], members: list[list[in
 
 
 def alone(model: torch.nn.Module, rows: list[dict]) -> torch.Tensor:
-    return torch.stack([TASK.summed_loss(model, collate([r], PAD, TASK)) for r in rows])
+    return torch.stack([summed_loss(model, collate([r], PAD, TASK)) for r in rows])
 
 
 def test_best_fit_decreasing_fills_the_tightest_gap_deterministically():
@@ -111,8 +119,8 @@ def test_each_rows_loss_packed_equals_its_loss_unpacked(attn):
             # the task's summed loss of the padded micro-batch (what the train step backpropagates) and its units
             b = collate(pair, PAD, TASK)
             assert b.padded_tokens > b.real_tokens
-            assert abs(float(TASK.summed_loss(model, b)) - float(want[rs].sum())) < 1e-5
-            assert TASK.loss_units(b) == sum(TASK.loss_units(collate([rows[r]], PAD, TASK)) for r in rs)
+            assert abs(float(summed_loss(model, b)) - float(want[rs].sum())) < 1e-5
+            assert b.units == sum(collate([rows[r]], PAD, TASK).units for r in rs)
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -125,12 +133,12 @@ def test_gradients_packed_equal_unpacked():
     model = tiny_llama()
     rows = rows_of(LENGTHS)
     seqs, _ = packed_rows(rows)
-    units = sum(TASK.loss_units(collate([r], PAD, TASK)) for r in rows)
+    units = sum(collate([r], PAD, TASK).units for r in rows)
     for r in rows:  # unpacked: one row per micro-batch
-        (TASK.summed_loss(model, collate([r], PAD, TASK)) / units).backward()
+        (summed_loss(model, collate([r], PAD, TASK)) / units).backward()
     want = grads(model)
     for i in range(0, len(seqs), 2):  # packed: two right-padded sequences per micro-batch
-        (TASK.summed_loss(model, collate(seqs[i:i + 2], PAD, TASK)) / units).backward()
+        (summed_loss(model, collate(seqs[i:i + 2], PAD, TASK)) / units).backward()
     got = grads(model)
     assert want.keys() == got.keys() and len(got) > 10
     diff = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -150,10 +158,10 @@ def test_a_packed_micro_batch_times_accumulation_equals_the_other_split():
 
     def window(micro: int) -> dict[str, torch.Tensor]:
         batches = data.batches(idx, micro, PAD, TASK)
-        assert all(b.position_ids is not None for b in batches)
-        units = sum(TASK.loss_units(b) for b in batches)
+        assert all(b.get("position_ids") is not None for b in batches)
+        units = sum(b.units for b in batches)
         for b in batches:
-            (TASK.summed_loss(model, b) / units).backward()
+            (summed_loss(model, b) / units).backward()
         return grads(model)
 
     one = window(4)
@@ -173,7 +181,7 @@ def test_attention_cannot_cross_rows_in_a_packed_sequence():
     def logits(batch: list[dict]) -> torch.Tensor:
         b = collate(batch, PAD, TASK)
         with torch.no_grad():
-            return model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits[0]
+            return model(input_ids=b["input_ids"], position_ids=b.get("position_ids"), use_cache=False).logits[0]
 
     before, after = logits(seqs), logits(changed)
     assert not torch.allclose(before[:6], after[:6])  # row 1 changed
@@ -226,8 +234,8 @@ def test_with_the_configs_cache_on_transformers_sees_no_packing():
     b = collate(seqs, PAD, TASK)
     with torch.no_grad():
         solo = model(input_ids=torch.tensor([rows[1]["input_ids"]])).logits[0]
-        cached = model(input_ids=b.input_ids, position_ids=b.position_ids).logits[0, 6:]
-        uncached = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False).logits[0, 6:]
+        cached = model(input_ids=b["input_ids"], position_ids=b.get("position_ids")).logits[0, 6:]
+        uncached = model(input_ids=b["input_ids"], position_ids=b.get("position_ids"), use_cache=False).logits[0, 6:]
     assert model.config.use_cache
     assert not torch.allclose(cached, solo, atol=1e-3)
     assert torch.allclose(uncached, solo, atol=1e-5, rtol=0)

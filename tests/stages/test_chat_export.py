@@ -53,8 +53,7 @@ OTHER_END = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|
 
 
 def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and_at_eos():
-    from stages.methods.tasks import TASKS
-
+    from stages.methods import method_of
     from stages.models.hf import load_tokenizer
     from stages.models.inference import end_of_turn
     from stages.pipeline.schema import EvaluateConfig, PipelineConfig, TokenizeConfig
@@ -63,7 +62,7 @@ def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and
 
     tok = load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
                                                                                  "task": "causal_lm"}}))
-    causal, e = TASKS["causal_lm"], EvaluateConfig()
+    causal, e = method_of("sft"), EvaluateConfig()
     im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
     assert end_of_turn(tok) == im_end == eos and causal.generation(e, tok, None)["eos_token_id"] == eos
     tok.chat_template = OTHER_END  # a turn closed by another token than the EOS
@@ -75,7 +74,7 @@ def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and
     assert trained.count(eot) == 2 and eos not in trained
     tok.chat_template = None
     assert end_of_turn(tok) is None and causal.generation(e, tok, None)["eos_token_id"] == eos
-    assert "eos_token_id" not in TASKS["seq_cls"].generation(e, tok, None)
+    assert "eos_token_id" not in method_of("classify").generation(e, tok, None)
 
 
 def write_pipeline(tmp: Path, name: str, rows: list[dict], **sections: dict) -> Path:

@@ -9,9 +9,9 @@ from pathlib import Path
 import helpers
 import pytest
 from helpers import BILLSUM, IMDB, SHARED_DATA, needs_shared_data
-from stages.methods.tasks import Classification
 
 from stages.methods import metrics
+from stages.methods.classify import Classify
 from stages.sources.arrow import read_split
 
 BILLS = SHARED_DATA / "billsum" / "billsum_us_train_sample100.jsonl"
@@ -116,13 +116,13 @@ def test_evaluate_runs_its_forward_passes_in_the_precision_training_used(store, 
     import torch
 
     seen = []
-    real_evaluate = Classification.evaluate
+    real_evaluate = Classify.evaluate
 
     def evaluate(*a, **kw):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
         return real_evaluate(*a, **kw)
 
-    monkeypatch.setattr(Classification, "evaluate", evaluate)
+    monkeypatch.setattr(Classify, "evaluate", evaluate)
     out = helpers.run("tiny-imdb", *IMDB, "train.mixed_precision=bf16", until="evaluate")
     assert out["train"].manifest["metrics"]["precision"] == "bf16"
     ev = out["evaluate"].manifest["metrics"]
@@ -326,6 +326,6 @@ def test_metrics_by_name_or_path_offline(tmp_path, monkeypatch):
         metrics.load("bleu")
     with pytest.raises(MissingInputError, match="evaluate.metrics ./nowhere/exact_match: no such file or folder"):
         metrics.module_path("./nowhere/exact_match")
-    with pytest.raises(ConfigError, match="evaluate.metrics rouge: scores texts, but model.task seq_cls predicts "
+    with pytest.raises(ConfigError, match="evaluate.metrics rouge: scores texts, but method classify predicts "
                                           "labels; use accuracy, f1"):
         plan(load_pipeline("tiny-imdb", ["evaluate.metrics=[rouge]"]))

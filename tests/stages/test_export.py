@@ -15,10 +15,9 @@ from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
 from stages.engine.config import load_pipeline
 from stages.evaluate import load_evaluated
-from stages.methods.tasks import TASKS
+from stages.methods import method_of
 from stages.models.compat.bitsandbytes import exact_cpu_kernels
 from stages.models.model_loading import load_model
-from stages.training.batching import collate
 
 pytestmark = needs_shared_data
 
@@ -34,7 +33,7 @@ def evaluated_and_batch(out: dict, task: str):
     import datasets
 
     ds = datasets.load_from_disk(str(out["tokenize"].path / "dataset"))["test"]
-    b = collate([ds[i] for i in range(4)], 0, TASKS[task])
+    b = method_of(task).collate([ds[i] for i in range(4)], 0)
     model = load_evaluated(out["model"].path, out["adapters"].path, out["train"].path)
     return model, b
 
@@ -43,8 +42,8 @@ def evaluated_and_batch(out: dict, task: str):
 def logits(model: torch.nn.Module, b, task: str) -> torch.Tensor:
     model.eval()
     if task == "seq_cls":
-        return model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-    return model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels).logits
+        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).logits
 
 
 def auto(task: str):

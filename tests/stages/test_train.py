@@ -21,10 +21,9 @@ from tiny_train import (
     window_grads,
 )
 
-from stages.methods.tasks import TASKS
+from stages.methods import method_of
 from stages.pipeline.schema import TrainConfig
 from stages.train import train_model
-from stages.training.batching import collate
 from stages.training.checkpoint import checkpoints
 from stages.training.optim import OPTIMIZERS, lr_factor
 
@@ -49,8 +48,8 @@ def test_k_by_1_and_1_by_k_give_the_same_gradients(make_model, rows, task, tmp_p
     assert d1 < 1e-5 and d2 < 1e-5
     # and they are the gradients of the loss averaged over the window's rows / target tokens
     ref = make_model()
-    batch = collate(rows, PAD, TASKS[task])
-    (TASKS[task].summed_loss(ref, batch) / TASKS[task].loss_units(batch)).backward()
+    out = method_of(task).step(ref, method_of(task).collate(rows, PAD))
+    (out.loss_sum / out.units).backward()
     assert max_diff(big, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}) < 1e-5
 
 
@@ -151,9 +150,9 @@ def test_lr_schedules():
 
 
 def test_causal_lm_loss_counts_target_tokens_only():
-    b = collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 9], "labels": [-100, 9]}],
-                PAD, TASKS["causal_lm"])
-    assert TASKS["causal_lm"].loss_units(b) == 3
+    b = method_of("sft").collate([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+                                  {"input_ids": [5, 9], "labels": [-100, 9]}], PAD)
+    assert b.units == 3
 
 
 @needs_shared_data

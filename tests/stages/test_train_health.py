@@ -20,7 +20,7 @@ from tiny_train import PAD, cls_rows, max_diff, tcfg, tiny_classifier, trainable
 
 import stages.train as train_stage
 from stages.engine.errors import DivergenceError, FinetuneError
-from stages.methods.tasks import Classification
+from stages.methods.classify import Classify
 from stages.train import train_model
 from stages.training.checkpoint import TrainingProgress, checkpoints, latest_checkpoint
 from stages.training.health import Watchdog
@@ -51,18 +51,20 @@ def train_metrics(work: Path) -> list[dict]:
 def test_an_injected_nan_stops_the_stage_with_its_step_and_commits_nothing(store_dir, monkeypatch):
     nan_at = 5  # optimizer step whose loss (and so its gradients) turn NaN
     seen = {"step": 0}
-    real_start, real_loss = DeferredStop.step_starts, Classification.summed_loss
+    real_start, real_step = DeferredStop.step_starts, Classify.step
 
     def step_starts(self):  # once per optimizer step in one process
         seen["step"] += 1
         return real_start(self)
 
-    def loss(*a, **kw):
-        out = real_loss(*a, **kw)
-        return out * float("nan") if seen["step"] == nan_at else out
+    def step(*a, **kw):
+        out = real_step(*a, **kw)
+        if seen["step"] == nan_at:
+            out.loss_sum = out.loss_sum * float("nan")
+        return out
 
     monkeypatch.setattr(DeferredStop, "step_starts", step_starts)
-    monkeypatch.setattr(Classification, "summed_loss", loss)
+    monkeypatch.setattr(Classify, "step", step)
     sets = ("data.subset={train: 48, validation: 8, test: 8}", "train.max_steps=8", "train.checkpoint_every=2")
     with pytest.raises(DivergenceError) as err:
         run("tiny-imdb", *sets, until="train")
