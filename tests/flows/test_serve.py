@@ -247,7 +247,7 @@ def test_artifact_builders(tmp_path):
     assert {"field": "size_bytes", "value": 15} in rows and {"field": "final_loss", "value": 0.01} in rows
 
     splits = {"test": {"accuracy": 0.8, "confusion_matrix": [[1, 2], [3, 4]]}, "validation": {"accuracy": 0.7}}
-    assert evaluate_rows({"task": "seq_cls", "splits": splits, "generation": {}}) == [
+    assert evaluate_rows({"method": "classify", "splits": splits, "generation": {}}) == [
         {"split": "test", "accuracy": 0.8}, {"split": "validation", "accuracy": 0.7}]
     assert evaluate_rows({"accuracy": 0.8, "by": {"test": {"n": 5}}}) == [
         {"metric": "accuracy", "value": 0.8}, {"metric": "by.test.n", "value": 5}]

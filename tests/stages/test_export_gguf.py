@@ -118,8 +118,8 @@ def test_a_tampered_gguf_file_fails_its_check_and_nothing_is_committed(causal, m
 
 
 @pytest.mark.parametrize("sets,message", [
-    (("export.formats=[hf, gguf]", "model.task=causal_lm"), "llama-cpp-python not installed; pip install '.[gguf]'"),
-    (("export.formats=[hf, gguf]",), "model.task seq_cls is not exported to GGUF"),
+    (("export.formats=[hf, gguf]", "method=sft"), "llama-cpp-python not installed; pip install '.[gguf]'"),
+    (("export.formats=[hf, gguf]",), "method classify is not exported to GGUF"),
     (("export.format=merged",), "export.format was renamed export.layout"),
 ], ids=["missing-extra", "classifier", "renamed"])
 def test_gguf_that_cannot_work_is_one_line_at_plan_time(tmp_path, monkeypatch, capsys, sets, message):
@@ -134,7 +134,7 @@ def test_gguf_that_cannot_work_is_one_line_at_plan_time(tmp_path, monkeypatch, c
 def test_the_adapter_alone_cannot_be_converted(tmp_path, capsys):
     from stages.engine.errors import ConfigError
 
-    cfg = load_pipeline("tiny-billsum", ["model.task=causal_lm", "export.formats=[hf, gguf]",
+    cfg = load_pipeline("tiny-billsum", ["method=sft", "export.formats=[hf, gguf]",
                                          "export.layout=adapter"])
     with pytest.raises(ConfigError, match="^export.formats gguf: written from merged weights.*set export.merge=true"):
         check_formats(cfg)

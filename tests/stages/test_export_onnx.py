@@ -116,7 +116,7 @@ def test_export_formats_that_cannot_work_are_one_line_at_plan_time(tmp_path, mon
 def test_onnx_for_a_generating_task_and_runtime_onnx_without_the_file_are_one_line(exported, tmp_path, capsys):
     assert stages_main(["smol-chat", "--set", "export.formats=[hf, onnx]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "model.task causal_lm is not exported to ONNX" in err and "export.formats: [hf, gguf]" in err
+    assert "method sft is not exported to ONNX" in err and "export.formats: [hf, gguf]" in err
     assert "\n" not in err
     out, _, _ = exported
     plain = tmp_path / "plain"

@@ -27,16 +27,16 @@ import json, sys
 import torch, transformers, peft
 folder, texts = sys.argv[1], json.load(open(sys.argv[2]))
 settings = json.load(open(folder + "/finetune_pipeline.json"))
-task, prefix = settings["model"]["task"], settings["tokenize"]["prefix"]
+task, prefix = settings["method"]["name"], settings["tokenize"]["prefix"]
 adapter = __import__("os").path.exists(folder + "/adapter_config.json")
 lib = peft if adapter else transformers
-name = {"seq_cls": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
-        "causal_lm": "AutoModelForCausalLM"}[task]
+name = {"classify": "AutoModelForSequenceClassification", "seq2seq": "AutoModelForSeq2SeqLM",
+        "sft": "AutoModelForCausalLM"}[task]
 model = getattr(lib, name.replace("AutoModel", "AutoPeftModel") if adapter else name).from_pretrained(folder).eval()
 tok = transformers.AutoTokenizer.from_pretrained(folder)
 batch = tok([prefix + t for t in texts], truncation=True, padding=True, return_tensors="pt")
 with torch.no_grad():
-    if task == "seq_cls":
+    if task == "classify":
         logits = model(**batch).logits
         out = [model.config.id2label[int(i)] for i in logits.argmax(-1)]
         print(json.dumps(logits.tolist()))
@@ -77,7 +77,7 @@ def reproduce(out: dict, tmp_path: Path, **env: str) -> None:
           f"equal to evaluate's; e.g. {got[:2]!r}")
     assert got == expected
     if out["export"].manifest["metrics"].get("layout") != "adapter" and isinstance(expected[0], str) and \
-            json.loads((out["export"].path / "finetune_pipeline.json").read_text())["model"]["task"] == "seq_cls":
+            json.loads((out["export"].path / "finetune_pipeline.json").read_text())["method"]["name"] == "classify":
         # equal labels could be one class for all: the logits themselves are the evaluated model's
         d = float((torch.tensor(json.loads(lines[-2])) - evaluated_logits(out, len(got))).abs().max())
         print(f"max |logits(export, fresh interpreter) - evaluated model's| = {d:.2e}")

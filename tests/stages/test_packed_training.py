@@ -118,8 +118,8 @@ def test_a_packed_chat_pipeline_trains_through_python_m_stages_and_its_loss_fall
 def test_packing_is_refused_at_plan_time_for_another_task_and_for_evaluating_the_packed_train_split(tmp_path):
     f = pipeline_file(tmp_path, n=12)
     for args, message in (
-            (["demo"], "tokenize.packing: packs causal_lm rows only, model.task is seq_cls; set tokenize.packing: "
-                       "false"),  # the demo classifies reviews
+            (["demo"], "tokenize.packing: packs the rows of method sft, and the method is classify; set "
+                       "tokenize.packing: false"),  # the demo classifies reviews
             (["packed", "--config", str(f), "--set", "evaluate.splits=[train]"],
              "evaluate.splits: the train split is packed (tokenize.packing: true)")):
         p = subprocess.run([sys.executable, "-m", "stages", *args, "--set", "tokenize.packing=true"], cwd=ROOT,

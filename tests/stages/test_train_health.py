@@ -233,10 +233,11 @@ def test_settings_that_cannot_work_stop_before_training(tmp_path):
                     "seq_cls", PAD, tmp_path / "o1", tmp_path / "w1", log)
     assert not (tmp_path / "w1" / "checkpoints").exists()
     from stages.engine.config import load_pipeline
+    from stages.graph import GRAPH
 
-    with pytest.raises(ConfigError) as exc:  # refused when the config loads, before anything runs
-        load_pipeline("tiny-billsum", ["train.select_best={metric: val_accuracy}"])
-    assert str(exc.value) == ("--set train.select_best.metric: validation of model.task seq2seq does not compute "
+    with pytest.raises(ConfigError) as exc:  # refused at plan time, before anything runs
+        GRAPH.validate(load_pipeline("tiny-billsum", ["train.select_best={metric: val_accuracy}"]))
+    assert str(exc.value) == ("train.select_best.metric: validation of method seq2seq does not compute "
                               "val_accuracy; use one of val_loss, val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match")
     with pytest.raises(ConfigError, match="does not compute val_rougeL; use one of val_loss, val_accuracy, "
                                           "val_macro_f1$"):
