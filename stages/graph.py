@@ -219,10 +219,10 @@ class Graphs(Graph):
     def for_config(self, cfg: PipelineConfig) -> Graph:
         return graph_for(cfg)
 
-    def plan(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def plan(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:
         return graph_for(cfg).plan(cfg, *args, **kwargs)
 
-    def validate(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def validate(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:
         return graph_for(cfg).validate(cfg, *args, **kwargs)
 
     def check_selection(self, force: Any = (), only: str | None = None, until: str | None = None) -> None:

@@ -30,7 +30,6 @@ PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside th
 log = logging.getLogger("finetune.predict")
 
 
-@dataclass
 def method_name(settings: dict[str, Any]) -> str:
     """The method of an export's pipeline settings (an export of before methods names its model.task)."""
     if "method" in settings:
@@ -38,6 +37,7 @@ def method_name(settings: dict[str, Any]) -> str:
     return LEGACY_TASKS[settings["model"]["task"]]
 
 
+@dataclass
 class Exported:
     folder: Path
     model: Any
