@@ -219,7 +219,15 @@ class RemoteStore(Store):
     def __init__(self, url: str, cache: Path | None = None):
         self.fsspec = FsspecBackend(url)
         super().__init__(self.fsspec, cache)
-        self.url, self.fs, self.base, self._r = self.fsspec.root_url, self.fsspec.fs, self.fsspec.base, self.fsspec._r
+        self.url, self.base, self._r = self.fsspec.root_url, self.fsspec.base, self.fsspec._r
+
+    @property
+    def fs(self) -> Any:
+        return self.fsspec.fs
+
+    @fs.setter
+    def fs(self, fs: Any) -> None:  # a test's recording filesystem
+        self.fsspec.fs = fs
 
 
 def open_store(root: str | Path | None = None) -> Store:
