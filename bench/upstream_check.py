@@ -40,7 +40,7 @@ def main() -> None:
         args.pipeline = SMOKE[0]
         cfg = load_pipeline(*SMOKE)
         execute(GRAPH.plan(cfg, open_store()), open_store())
-    store = open_store().local
+    store = open_store()
     refs = store.refs(args.pipeline)  # what the pipeline last ran, per stage
     if not refs:
         raise SystemExit(f"{args.pipeline}: nothing in store {store.root}; run it first (make demo)")

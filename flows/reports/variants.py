@@ -167,7 +167,7 @@ def from_spec(name: str, body: dict[str, Any], config_file: Path | str = DEFAULT
 
 def sweep_dir(store: Store, name: str) -> Path:
     """sweeps/<name>/ of the store (of its local cache for a remote store)."""
-    return inside(store.local.root / "sweeps", store.local.root / "sweeps" / name)
+    return inside(store.root / "sweeps", store.root / "sweeps" / name)
 
 
 def save_definition(s: Sweep, store: Store) -> Path:

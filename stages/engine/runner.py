@@ -154,7 +154,7 @@ class Execution:
     def __init__(self, plan: Plan, store: Store, tags: dict[str, str] | None = None):
         self.plan, self.store = plan, store
         check_store_writable(plan, store)
-        if freed := store.local.sweep_tmp():  # what runs that died on this store left in .tmp
+        if freed := store.sweep_tmp():  # what runs that died on this store left in .tmp
             log.info("store: removed %s of dead runs' temporary folders (.tmp)", human_bytes(freed))
         self.done = read_upstream(plan, store)
         self.outcomes: list[Outcome] = []

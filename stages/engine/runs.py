@@ -105,7 +105,7 @@ def scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def records_root(store: Any) -> Path:
     """The folder that holds runs/: the store's own, a shared store's local cache (records stay per machine)."""
-    return getattr(store, "root", None) or store.local.root
+    return store.root
 
 
 def read_runs(root: Path) -> list[dict[str, Any]]:

@@ -401,7 +401,7 @@ def find_garbage(store: Store, keep: set[tuple[str, str]], invalid: dict[tuple[s
             for stage, key, location, size in store.work_entries() if (stage, key) not in keep]
     out += [Garbage("tmp", m.group("stage") if (m := TMP_NAME.fullmatch(d.name)) else "-",
                     m.group("key") if m else d.name, str(d), folder_size(d),
-                    note="a dead run's temporary folder") for d in store.local.dead_tmp()]
+                    note="a dead run's temporary folder") for d in store.dead_tmp()]
     return out
 
 
@@ -421,7 +421,7 @@ def remove_garbage(store: Store, garbage: list[Garbage]) -> list[Garbage]:
             g.note = "in use by a running stage; kept"
     tmp = [g for g in garbage if g.kind == "tmp"]
     if tmp:
-        store.local.sweep_tmp()
+        store.sweep_tmp()
         for g in tmp:
             g.removed = not Path(g.path).exists()
     return garbage

@@ -10,7 +10,7 @@ One checkpoint is a folder `step-000050/` holding
 It is written as `.tmp-*` and renamed into place (progress.json last, then the rename), so a kill at
 any moment leaves either the whole checkpoint or none; only the last `keep` are kept. On a shared store
 (s3://...) each checkpoint is also uploaded as it is written, replacing the previous one there, so a run
-of the same key on another machine resumes from it (stages/engine/remote_store.py, publish_work); in a
+of the same key on another machine resumes from it (stages/engine/store.py, Store.publish_work); in a
 process launched for num_processes / num_machines > 1 (rank 0 alone saves) the stage's own process uploads
 it while rank 0 waits (stages/training/distributed.py, hand_over).
 """

@@ -117,7 +117,7 @@ def test_a_crashed_runs_newest_checkpoint_resumes_on_another_machine(url, tmp_pa
     a = RemoteStore(url, cache=tmp_path / "a")
     with pytest.raises(RuntimeError):
         a.run(sk, crashing, pipeline="p", config={})
-    remote = sorted(p.rsplit(f"train-{sk.key}/", 1)[1] for p in a.fs.find(a._work_url("train", sk.key)))
+    remote = sorted(p.rsplit(f"train-{sk.key}/", 1)[1] for p in a.fs.find(a._r(".work", f"train-{sk.key}")))
     assert remote == ["checkpoints/step-2/progress.json", "checkpoints/step-2/weights", "latest.json"]
 
     seen = {}
@@ -130,7 +130,7 @@ def test_a_crashed_runs_newest_checkpoint_resumes_on_another_machine(url, tmp_pa
     b = RemoteStore(url, cache=tmp_path / "b")  # another machine: an empty local cache
     assert b.run(sk, resuming, pipeline="p", config={}).computed
     assert seen["found"] == ["checkpoints/step-2/progress.json", "checkpoints/step-2/weights"]
-    assert not b.fs.exists(b._work_url("train", sk.key))  # committed: the shared work is dropped
+    assert not b.fs.exists(b._r(".work", f"train-{sk.key}"))  # committed: the shared work is dropped
 
 
 S3_RUN = ("tiny-imdb", "--set", "data.subset={train: 32, validation: 8, test: 8}", "--set", "train.log_every=1")
