@@ -19,7 +19,7 @@ from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
 from flows.orchestration.ui_artifacts import publish
 from stages.engine.cli import describe
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
 from stages.engine.plan import Plan, Planned, request, take
 from stages.engine.remote_store import open_store
@@ -27,6 +27,7 @@ from stages.engine.runner import Execution, run_step
 from stages.engine.stage import JOINED
 from stages.engine.store import Outcome, Store
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 
 # at exit, no last garbage collection over the millions of objects torch and transformers leave: a run's
 # process (a worker's, a sweep's child) ends about 1.5 s sooner (bench/run_overhead.py: 1.73 s -> 0.18 s)

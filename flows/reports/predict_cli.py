@@ -37,9 +37,10 @@ from typing import Any
 
 from stages.engine.cli import guarded
 from stages.engine.commands import command
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import why_missing
+from stages.pipeline.loading import load_pipeline
 
 SHOWN = 80  # characters of each input text printed beside its prediction
 # The longest text (a conversation: all its turns) predict takes. The model reads a text's first

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.commands import command
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, FinetuneError, HubUnreachableError
 from stages.engine.fingerprint import (
     PROCESS_MEMO,
@@ -27,6 +26,7 @@ from stages.engine.fingerprint import (
 )
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.schema import PipelineConfig
 from stages.pipeline.tracking import TRACK_ENV
 from stages.pipeline.tracking import check as check_tracking

@@ -18,12 +18,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
+from stages.engine.config import DEFAULT_PIPELINE_FILE, pipeline_names
 from stages.engine.errors import ConfigError, FinetuneError, MissingInputError, StoreUnavailableError
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.plan import Graph, Plan, Planned
 from stages.engine.results import Result, read_results
 from stages.engine.store import GC_LOCK, TMP_NAME, Lookup, StageKey, Store, folder_size
+from stages.pipeline.loading import load_pipeline
 
 CACHED, STALE, MISSING = "cached", "stale", "missing"
 # A stage that resumes (train) keeps {"step": N, "of": M} here in its scratch folder, for `status` to say
