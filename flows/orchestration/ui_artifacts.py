@@ -1,7 +1,8 @@
 """What the Prefect UI shows of each stage: a table artifact of its manifest under a stable key
 (`<pipeline>-<stage>`), the train stage's loss curve, the evaluate stage's metrics, what export wrote.
-Published when a stage computes; a store hit uploads nothing (its task ends `Cached` with the key in its
-message), so a fully cached rerun makes no artifact requests."""
+Published when a stage computes, by a hook the flow hangs on its run (`UIArtifacts`); a store hit uploads
+nothing (its task ends `Cached` with the key in its message), so a fully cached rerun makes no artifact
+requests."""
 
 from __future__ import annotations
 
@@ -11,9 +12,21 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from flows.orchestration import api_watch
 from flows.reports.formatting import inline_png, number
 from flows.reports.train_history import read_history, train_losses
+from stages.engine.project import Hook
+from stages.engine.runner import Execution
 from stages.engine.store import Outcome
+
+
+class UIArtifacts(Hook):
+    """Each computed stage's artifacts in the UI, as it finishes (not while the Prefect server is gone: each
+    upload would wait a minute of retries on it)."""
+
+    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+        if outcome.computed and not api_watch.gone():
+            publish(run.plan.cfg.name, outcome)
 
 
 def artifact_key(pipeline: str, stage: str) -> str:
