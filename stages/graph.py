@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 from stages import data
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError
-from stages.engine.plan import Graph, Plan
-from stages.engine.project import Project
+from stages.engine.plan import Graph, Plan, Project
 from stages.engine.stage import Lazy, Stage
 from stages.formats import export_layout, gguf_export, onnx_export
 from stages.methods.metrics import metric_files, validation_metric_files

@@ -15,8 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows.orchestration import api_watch
 from flows.reports.formatting import inline_png, number
 from flows.reports.train_history import read_history, train_losses
-from stages.engine.project import Hook
-from stages.engine.runner import Execution
+from stages.engine.plan import Hook, Run
 from stages.engine.store import Outcome
 
 
@@ -24,7 +23,7 @@ class UIArtifacts(Hook):
     """Each computed stage's artifacts in the UI, as it finishes (not while the Prefect server is gone: each
     upload would wait a minute of retries on it)."""
 
-    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
         if outcome.computed and not api_watch.gone():
             publish(run.plan.cfg.name, outcome)
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
-from stages.engine.project import Hook
+from stages.engine.plan import Hook
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:  # `finetune predict` on an export folder imports no store
-    from stages.engine.runner import Execution
+    from stages.engine.plan import Run
     from stages.engine.store import Outcome
 
 
@@ -73,10 +73,10 @@ class Lines(Hook):
     def __init__(self, out: Callable[[str], None]):
         self.out = out
 
-    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
         self.out(describe(outcome))
 
-    def after_run(self, run: Execution, status: str) -> None:
+    def after_run(self, run: Run, status: str) -> None:
         if status == "FINISHED" and (line := run.transfer_line()):
             self.out(line)
 

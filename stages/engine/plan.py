@@ -11,10 +11,10 @@ import difflib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from stages.engine.commands import command
-from stages.engine.config import load_pipeline
+from stages.engine.config import Schema, load_pipeline
 from stages.engine.errors import ConfigError, FinetuneError, HubUnreachableError
 from stages.engine.fingerprint import (
     PROCESS_MEMO,
@@ -24,20 +24,95 @@ from stages.engine.fingerprint import (
     library_versions,
     remembered_code_fingerprint,
 )
-from stages.engine.project import Pipeline, Project
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable, Sequence
 
-    from stages.engine.store import Store
+    from stages.engine.store import Outcome, Store
 
 # What a run does with a planned stage:
 RUN = "run"  # reuse its artifact when the store has a hit, else compute it
 FORCE = "force"  # compute it, without looking in the store first (--force)
 READ = "read"  # an upstream of --only: read from the store, which must have it
 
+
+# ---------------------------------------------------------------- what the engine is handed about a project
+# A graph carries its project (stages/graph.py builds the finetuning one): the config its pipelines are validated
+# against, what a run checks beyond the stages' own checks, the hooks every run carries (Kedro's
+# before/after_node_run, on_node_error) and what a command line's options turn on. So the engine names no section
+# of the config, no method and no metric.
+
+class Pipeline(Protocol):
+    """What the engine reads of a pipeline's config; every other field is the stages'."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def overrides(self) -> list[str]: ...
+
+    @property
+    def config_file(self) -> str | None: ...
+
+    def overrides_within(self, reads: tuple[str, ...]) -> list[str]: ...
+
+
+class Run(Protocol):
+    """What a hook sees of a run (stages/engine/runner.py `Execution`)."""
+
+    plan: Plan[Any]
+    store: Store
+    outcomes: list[Outcome]  # the steps finished so far, in order
+    # what identifies the run: its store, its record, the caller's (a Prefect flow run); a hook may add to
+    # them in before_run, for the hooks after it
+    tags: dict[str, str]
+
+    def transfers(self) -> dict[str, int] | None: ...
+
+    def transfer_line(self) -> str | None: ...
+
+
+class Hook:
+    """Something that hangs on a run (run records, experiment tracking, a UI, printed lines), as Kedro's
+    hooks do: the one loop (stages/engine/runner.py `Execution`) calls each method at its point, in the order
+    the hooks were registered; each does nothing unless overridden."""
+
+    def before_run(self, run: Run) -> None:
+        """The run starts: its upstream (--only) read, nothing computed yet."""
+
+    def before_stage(self, run: Run, item: Planned) -> None:
+        """A step is about to run (or be looked up in the store)."""
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        """A step finished: computed, a store hit, or joined (another machine commits it)."""
+
+    def on_error(self, run: Run, stage: str | None, error: BaseException) -> None:
+        """The run failed in `stage` (None: between stages), with what raised or the driver's message."""
+
+    def after_run(self, run: Run, status: str) -> None:
+        """The run ended: FINISHED, FAILED (on_error came first) or KILLED (interrupted)."""
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Project:
+    """A graph's pipelines: their schema; `check_run`, called on a resolved config at plan time for a run (not
+    for a report such as status), may refuse it in one ConfigError; `hooks` makes the hooks of one run;
+    `options` applies a command line's options to this process (before its config loads)."""
+
+    schema: Schema[Any, Any]
+    check_run: Callable[[Any], None] = _nothing
+    hooks: Callable[[], Sequence[Hook]] = tuple
+    options: Callable[[argparse.Namespace], None] = _nothing
+
+
+# ---------------------------------------------------------------- the graph and its plans
 
 class GraphError(FinetuneError):
     """The stage graph itself is wrong (a stage's upstream misspelled or listed after it)."""

@@ -18,13 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json, sha256_text
-from stages.engine.project import Hook
+from stages.engine.plan import Hook
 from stages.engine.runs import SWEEP_ENV
 from stages.engine.stage import JOINED
 from stages.engine.store import Outcome, Store
 
 if TYPE_CHECKING:
-    from stages.engine.runner import Execution
+    from stages.engine.plan import Run
 
 
 class Result(BaseModel):
@@ -97,8 +97,8 @@ class Results(Hook):
 
     recorder: ResultRecorder
 
-    def before_run(self, run: Execution) -> None:
+    def before_run(self, run: Run) -> None:
         self.recorder = ResultRecorder(run.store, run.plan.cfg.name, run.plan.cfg.overrides)
 
-    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
         self.recorder.stage(outcome)

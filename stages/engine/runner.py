@@ -23,8 +23,7 @@ from stages.engine.errors import (
     is_unreachable,
     store_failure,
 )
-from stages.engine.plan import FORCE, Plan, Planned
-from stages.engine.project import Hook
+from stages.engine.plan import FORCE, Hook, Plan, Planned
 from stages.engine.results import Results
 from stages.engine.runs import RunRecords
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
@@ -151,7 +150,7 @@ class Execution:
     failed without raising here. Used as a context manager around that loop; the run ends with the plan,
     after a JOINED step (nothing of it here for the stages after), or failed with what raised.
 
-    Everything else hangs on hooks (stages/engine/project.py `Hook`), called in this order: the run records and
+    Everything else hangs on hooks (stages/engine/plan.py `Hook`), called in this order: the run records and
     the result record (the engine's own), the project's (stages/graph.py: experiment tracking), then the
     driver's (`python -m stages`: its printed lines; the Prefect flow: the UI's artifacts). `tags`: what
     identifies the run to them (its store, its record, the caller's: e.g. its Prefect flow run)."""

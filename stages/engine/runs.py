@@ -16,11 +16,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.engine.project import Hook
+from stages.engine.plan import Hook
 from stages.engine.store import Outcome, now_iso, write_json_atomic
 
 if TYPE_CHECKING:
-    from stages.engine.runner import Execution
+    from stages.engine.plan import Run
 
 SWEEP_ENV = "FINETUNE_SWEEP"
 
@@ -75,19 +75,19 @@ class RunRecords(Hook):
 
     record: RunRecord
 
-    def before_run(self, run: Execution) -> None:
+    def before_run(self, run: Run) -> None:
         plan = run.plan
         self.record = RunRecord(records_root(run.store), plan.cfg.name, plan.cfg.overrides, plan.selection(),
                                 [s.name for s in plan.graph if s.reports])
         run.tags["finetune.run_record"] = self.record.data["id"]
 
-    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
         self.record.stage(outcome)
 
-    def on_error(self, run: Execution, stage: str | None, error: BaseException) -> None:
+    def on_error(self, run: Run, stage: str | None, error: BaseException) -> None:
         self.record.failed(stage, error)
 
-    def after_run(self, run: Execution, status: str) -> None:
+    def after_run(self, run: Run, status: str) -> None:
         if (moved := run.transfers()) is not None:
             self.record.data["transfers"] = moved
         if status == "FINISHED":

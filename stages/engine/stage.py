@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar, cast
 
 from stages.engine.fingerprint import OUTPUT_LIBRARIES
 
-C = TypeVar("C")  # a pipeline's config, as the graph's project validates it (stages/engine/project.py)
+C = TypeVar("C")  # a pipeline's config, as the graph's project validates it (stages/engine/plan.py Project)
 
 JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
 

@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError
-from stages.engine.project import Hook
+from stages.engine.plan import Hook
 from stages.engine.runs import SWEEP_ENV, outcome_status, read_metrics, scalars
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:
     import argparse
 
-    from stages.engine.runner import Execution
+    from stages.engine.plan import Run
     from stages.engine.stage import Stage
     from stages.engine.store import Outcome
     from stages.pipeline.schema import PipelineConfig
@@ -406,17 +406,17 @@ class Tracking(Hook):
 
     tracking: RunTracking | None = None
 
-    def before_run(self, run: Execution) -> None:
+    def before_run(self, run: Run) -> None:
         self.tracking = RunTracking.start(run.plan.cfg, dict(run.tags))
 
-    def after_stage(self, run: Execution, outcome: Outcome) -> None:
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
         if self.tracking is None:
             return
         if not outcome.computed and outcome.reason != JOINED:  # its files are logged: here, downloaded
             run.store.materialize(outcome.stage, outcome.key, outcome.manifest.get("digest"))
         self.tracking.stage(run.plan.graph[outcome.stage], outcome)
 
-    def after_run(self, run: Execution, status: str) -> None:
+    def after_run(self, run: Run, status: str) -> None:
         if self.tracking is not None:
             self.tracking.end(status)
 
