@@ -1,6 +1,7 @@
 """Executes a plan (stages/engine/plan.py): each step through the store, in order. `execute` is the whole
 run for `python -m stages`; the Prefect flow is the same loop over `Execution.pending()` with one task per
-step, each task calling `run_step`. The engine never names a stage: the graph is handed in with the plan."""
+step, each task calling `run_step`. Everything else a run does (its record, tracking, printed lines, the UI)
+hangs on hooks (plan.py `Hook`). The engine never names a stage: the graph is handed in with the plan."""
 
 from __future__ import annotations
 
