@@ -41,7 +41,7 @@ BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
 
 
 def as_graph(graph: Graph | Iterable[Stage]) -> Graph:
-    return graph if isinstance(graph, Graph) else Graph(graph)
+    return graph if isinstance(graph, Graph) else Graph(graph, GRAPH.project)
 
 
 def run_pipeline(cfg: PipelineConfig, store: Store, graph: Graph | Iterable[Stage] = GRAPH,
