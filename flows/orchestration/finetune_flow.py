@@ -25,7 +25,7 @@ from flows.orchestration.run_owner import claim_and_reap, current_flow_run_id
 from flows.orchestration.stage_logs import route_logs
 from flows.orchestration.ui_artifacts import UIArtifacts
 from stages.engine.cli import Lines
-from stages.engine.errors import FinetuneError
+from stages.engine.errors import ConfigError, FinetuneError
 from stages.engine.plan import Plan, Planned
 from stages.engine.remote_store import open_store
 from stages.engine.runner import Execution, run_step
@@ -67,15 +67,19 @@ def stage_task_named(name: str) -> Task[..., Outcome | State]:
 @flow(name="finetune", log_prints=True)
 def finetune(pipeline: str, overrides: dict[str, Any] | list[str] | None = None, only: str | None = None,
              force: list[str] | None = None, verify: bool = False, until: str | None = None,
-             config: str | None = None, plan: Plan[Any] | None = None) -> list[dict[str, Any]] | State:
+             config: str | None = None, plan: Any = None) -> list[dict[str, Any]] | State:
     """Run a named pipeline of pipeline.yaml (or `config`). overrides: {"train.lr": 1e-4} or ["train.lr=1e-4"].
-    `plan`: the plan of these parameters, made by the command line that starts the flow (else made here)."""
+    `plan`: the Plan of these parameters, made by the command line that starts the flow (else made here). Typed
+    Any: Prefect would otherwise build a pydantic schema of the plan's dataclasses (and a deployment's form)."""
     route_logs()
     api_watch.attach(str(FlowRunContext.get().client.api_url))
     flow_run_id = current_flow_run_id()
     claim_and_reap(flow_run_id)
     store = open_store()
     try:
+        if plan is not None and not isinstance(plan, Plan):
+            raise ConfigError("plan: made by the command line that starts the flow; leave it out of a run's "
+                              "parameters")
         plan = plan or plan_run(store, pipeline, overrides, config, only=only, until=until, force=force or [],
                                 verify=verify)
         run = Execution(plan, store, {"finetune.prefect.flow_run_id": str(flow_run_id)} if flow_run_id else None,
