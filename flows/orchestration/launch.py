@@ -38,6 +38,8 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
         plan = plan_args(args, store)
         check_store_writable(plan, store, note=False)  # one that cannot be written: refused before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
+        from prefect.utilities.annotations import quote
+
         from flows.orchestration import api_watch
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
@@ -46,7 +48,7 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
         api_watch.watch_the_server()
         try:
             state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
-                             str(args.config), plan, return_state=True)
+                             str(args.config), quote(plan), return_state=True)  # quoted: the engine walks no plan
         except Exception:  # the server went down after the last stage: Prefect's final call failed
             if api_watch.gone():
                 api_watch.leave(api_watch.EXIT_CODE, f"error: {api_watch.gone_line([], finished=False)}",
