@@ -28,7 +28,7 @@ from benchlib import header, parser, row  # noqa: E402
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from stages.engine.config import load_pipeline
+from stages.pipeline.loading import load_pipeline
 from stages.engine.store import Store
 from stages.graph import GRAPH
 t1 = time.perf_counter()

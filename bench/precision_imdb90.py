@@ -47,12 +47,12 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from stages.engine.config import load_pipeline  # noqa: E402
 from stages.engine.remote_store import open_store  # noqa: E402
 from stages.engine.runner import execute  # noqa: E402
 from stages.graph import GRAPH  # noqa: E402
 from stages.models.hf import load_tokenizer  # noqa: E402
 from stages.models.model_loading import load_trainable  # noqa: E402
+from stages.pipeline.loading import load_pipeline  # noqa: E402
 from stages.train import TrainRun, train_model  # noqa: E402
 from stages.training.device import training_device  # noqa: E402
 

@@ -38,10 +38,10 @@ SMOKE = ("tiny-imdb", ["data.subset={train: 32, validation: 8, test: 8}", "train
 
 def export_folder(smoke: bool) -> Path:
     """The demo's export with ONNX (the smoke: tiny-imdb's), computed first when the store does not hold it."""
-    from stages.engine.config import load_pipeline
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     t0 = time.perf_counter()
     store = open_store()

@@ -90,12 +90,12 @@ def main() -> int:
 
     import torch
 
-    from stages.engine.config import load_pipeline
     from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.formats.gguf_export import RuntimeCrash
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
     from stages.runtimes.exported import load_export, predict
 
     chats = conversations()

@@ -64,12 +64,12 @@ def main() -> int:
     from flows.reports.formatting import markdown_table
     from stages.engine import fingerprint
     from stages.engine.codegraph import CodeGraph
-    from stages.engine.config import load_pipeline
     from stages.engine.paths import PROJECT_ROOT
     from stages.engine.runner import execute
     from stages.engine.stage import code_roots
     from stages.engine.store import Store
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     t: dict[str, list[float]] = {k: [] for k in ("walked", "remembered", "args", "quoted", "exit", "exit_frozen")}
     with tempfile.TemporaryDirectory() as tmp:

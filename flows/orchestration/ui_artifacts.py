@@ -1,7 +1,8 @@
 """What the Prefect UI shows of each stage: a table artifact of its manifest under a stable key
 (`<pipeline>-<stage>`), the train stage's loss curve, the evaluate stage's metrics, what export wrote.
-Published when a stage computes; a store hit uploads nothing (its task ends `Cached` with the key in its
-message), so a fully cached rerun makes no artifact requests."""
+Published when a stage computes, by a hook the flow hangs on its run (`UIArtifacts`); a store hit uploads
+nothing (its task ends `Cached` with the key in its message), so a fully cached rerun makes no artifact
+requests."""
 
 from __future__ import annotations
 
@@ -11,9 +12,22 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from flows.orchestration import api_watch
 from flows.reports.formatting import inline_png, number
 from flows.reports.train_history import read_history, train_losses
+from stages.engine.plan import Hook, Run
+from stages.engine.stage import Stage
 from stages.engine.store import Outcome
+from stages.facts import EVALUATES, SHIPS, TRAINS
+
+
+class UIArtifacts(Hook):
+    """Each computed stage's artifacts in the UI, as it finishes (not while the Prefect server is gone: each
+    upload would wait a minute of retries on it)."""
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        if outcome.computed and not api_watch.gone():
+            publish(run.plan.cfg.name, outcome, run.plan.graph[outcome.stage])
 
 
 def artifact_key(pipeline: str, stage: str) -> str:
@@ -22,24 +36,26 @@ def artifact_key(pipeline: str, stage: str) -> str:
     return "".join(c if c.isalnum() or c == "-" else "-" for c in raw)
 
 
-def publish(pipeline: str, o: Outcome) -> None:
-    """A table artifact of the stage's manifest under the stable key `<pipeline>-<stage>`; train adds its
-    loss curve (`-train-loss`), evaluate its metrics (`-evaluate-metrics`), export what it wrote
-    (`-export-files`). An artifact that cannot be built is a warning, never a failed stage."""
+def publish(pipeline: str, o: Outcome, stage: Stage[Any] | None = None) -> None:
+    """A table artifact of the stage's manifest under the stable key `<pipeline>-<stage>`; by the stage's role
+    (stages/facts.py), the stage that trains adds its loss curve (`-<stage>-loss`), the one that evaluates its
+    metrics (`-<stage>-metrics`), the one that ships the model what it wrote (`-<stage>-files`). An artifact
+    that cannot be built is a warning, never a failed stage."""
     status = "computed" if o.computed else "cached"
+    role = stage.role if stage is not None else None
     try:
         create_table_artifact(table=manifest_rows(o), key=artifact_key(pipeline, o.stage),
                               description=f"{pipeline} / {o.stage}: {status}")
-        if o.stage == "train" and (md := train_loss_markdown(o)):
-            create_markdown_artifact(markdown=md, key=artifact_key(pipeline, "train-loss"),
-                                     description=f"{pipeline} / train: loss curve ({status})")
-        elif o.stage == "evaluate" and (rows := evaluate_rows(o.manifest.get("metrics"))):
-            create_table_artifact(table=rows, key=artifact_key(pipeline, "evaluate-metrics"),
-                                  description=f"{pipeline} / evaluate: metrics ({status})")
-        elif o.stage == "export" and (rows := export_rows(o)):
+        if role == TRAINS and stage is not None and stage.history and (md := train_loss_markdown(o, stage.history)):
+            create_markdown_artifact(markdown=md, key=artifact_key(pipeline, f"{o.stage}-loss"),
+                                     description=f"{pipeline} / {o.stage}: loss curve ({status})")
+        elif role == EVALUATES and (rows := evaluate_rows(o.manifest.get("metrics"))):
+            create_table_artifact(table=rows, key=artifact_key(pipeline, f"{o.stage}-metrics"),
+                                  description=f"{pipeline} / {o.stage}: metrics ({status})")
+        elif role == SHIPS and (rows := export_rows(o)):
             command = (o.manifest.get("metrics") or {}).get("command")
-            create_table_artifact(table=rows, key=artifact_key(pipeline, "export-files"),
-                                  description=f"{pipeline} / export: what it wrote ({status}) under {o.path}"
+            create_table_artifact(table=rows, key=artifact_key(pipeline, f"{o.stage}-files"),
+                                  description=f"{pipeline} / {o.stage}: what it wrote ({status}) under {o.path}"
                                   + (f"; reproduce: `{command}`" if isinstance(command, str) else ""))
     except Exception as e:  # a UI extra must never fail a committed stage
         logging.getLogger("finetune").warning("%s: artifact for the UI not published: %s", o.stage, e)
@@ -65,9 +81,9 @@ def manifest_rows(o: Outcome) -> list[dict[str, Any]]:
     return rows
 
 
-def train_loss_markdown(o: Outcome, max_rows: int = 40) -> str | None:
-    """The loss curve (loss.png, inlined) and the loss history as a table, thinned to max_rows."""
-    history = read_history(o.path)
+def train_loss_markdown(o: Outcome, history_file: str, max_rows: int = 40) -> str | None:
+    """The loss curve (loss.png, inlined) and the loss history (`history_file`) as a table, thinned to max_rows."""
+    history = read_history(o.path / history_file)
     train = train_losses(history)
     val = {r["step"]: r for r in history if r.get("kind") == "validation"}
     metrics = o.manifest.get("metrics") or {}

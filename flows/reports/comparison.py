@@ -23,6 +23,7 @@ from stages.engine.plan import Plan
 from stages.engine.status import changed_params, flatten, lookups
 from stages.engine.store import StageKey, Store
 from stages.engine.units import human_bytes
+from stages.facts import EVALUATES, TRAINS, adapter_metrics, model_metrics, stage_named, train_metrics
 from stages.graph import GRAPH
 from stages.pipeline.schema import PipelineConfig
 
@@ -172,16 +173,16 @@ def run_result(run: Run, plan: Plan, store: Store, finder: Finder, shared_keys: 
     res.missing = [stage for stage in planned if stage not in found]
     manifests = {stage: m for stage, (_, m) in found.items()}
     res.shared = [s for s, sk in planned.items() if shared_keys.get((s, sk.key), 0) > 1]
-    ev = manifests.get("evaluate")
-    if ev is not None:
-        res.status = DONE if res.keys["evaluate"] == planned["evaluate"].key else STALE
-        res.metrics = evaluate_metrics(ev.get("metrics"))
-    tr = manifests.get("train")
-    if tr is not None:
-        tm = tr.get("metrics") or {}
-        res.train_s, res.tokens_per_s = tr.get("duration_s"), tm.get("tokens_per_s")
+    stages = plan.graph.stages
+    evaluates, trains = stage_named(stages, EVALUATES), stage_named(stages, TRAINS)
+    if evaluates is not None and evaluates in manifests:
+        res.status = DONE if res.keys[evaluates] == planned[evaluates].key else STALE
+        res.metrics = evaluate_metrics(manifests[evaluates].get("metrics"))
+    if trains is not None and trains in manifests:
+        tm = train_metrics(stages, manifests)
+        res.train_s, res.tokens_per_s = manifests[trains].get("duration_s"), tm.get("tokens_per_s")
         res.steps, res.final_loss = tm.get("steps"), tm.get("final_loss")
-    am, mm = (manifests.get("adapters") or {}).get("metrics") or {}, (manifests.get("model") or {}).get("metrics") or {}
+    am, mm = adapter_metrics(stages, manifests), model_metrics(stages, manifests)
     res.footprint_bytes = am.get("footprint_bytes") or mm.get("footprint_bytes")
     res.trainable, res.trainable_percent = am.get("trainable"), am.get("percent")
     return res
@@ -280,7 +281,7 @@ def table_rows(c: Comparison) -> list[dict[str, Any]]:
 
 
 def _stage_order(stage: str) -> int:
-    order = ["data", "tokenize", "model", "adapters", "train", "evaluate", "export"]
+    order = GRAPH.names
     return order.index(stage) if stage in order else len(order)
 
 

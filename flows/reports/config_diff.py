@@ -12,6 +12,7 @@ from flows.reports.formatting import label
 from stages.engine.plan import Plan
 from stages.engine.status import changed_params, flatten, lookups, why_changed
 from stages.engine.store import Store
+from stages.facts import EVALUATES, TRAINS
 from stages.graph import GRAPH
 from stages.pipeline.schema import PipelineConfig
 
@@ -72,15 +73,17 @@ def _sections(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _stored_metrics(plan: Plan, store: Store, finder: Finder) -> dict[str, tuple[float, bool]]:
-    """metric -> (value, stale): the evaluate stage's and a few of train's, from the artifacts this config has."""
+    """metric -> (value, stale): the evaluating stage's and a few of the training stage's (stages/facts.py),
+    from the artifacts this config has."""
     out: dict[str, tuple[float, bool]] = {}
     for stage, (key, m) in artifacts(plan, store, finder).items():
         metrics, stale = m.get("metrics") or {}, key != plan[stage].key.key
-        if stage == "evaluate":
-            out.update({f"evaluate.{k}": (v, stale) for k, v in evaluate_metrics(metrics).items()})
-        elif stage == "train":
-            out.update({f"train.{k}": (metrics[k], stale) for k in ("final_loss", "steps", "tokens_per_s",
-                                                                     "train_seconds")
+        role = plan.graph[stage].role
+        if role == EVALUATES:
+            out.update({f"{stage}.{k}": (v, stale) for k, v in evaluate_metrics(metrics).items()})
+        elif role == TRAINS:
+            out.update({f"{stage}.{k}": (metrics[k], stale) for k in ("final_loss", "steps", "tokens_per_s",
+                                                                      "train_seconds")
                         if isinstance(metrics.get(k), int | float)})
     return out
 

@@ -33,7 +33,6 @@ from flows.reports.formatting import local_time, number, render_table
 from flows.reports.variants import add_sweep_args, from_args
 from stages.engine.cli import add_config_option, guarded
 from stages.engine.commands import command
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.remote_store import open_store
 from stages.engine.status import CACHED, MISSING, Garbage, Kept, StageStatus, find, gc, pipeline_status
@@ -41,6 +40,7 @@ from stages.engine.store import Store
 from stages.engine.units import human_bytes
 from stages.graph import GRAPH
 from stages.models.memory import free_memory
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.schema import PipelineConfig
 from stages.training.pipeline_memory import estimate_pipeline, format_estimate
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 
 from flows.reports.formatting import render_table
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline, pipeline_names
+from stages.engine.config import DEFAULT_PIPELINE_FILE, pipeline_names
 from stages.engine.errors import FinetuneError
 from stages.methods import BUILTIN, method_of
+from stages.pipeline.loading import load_pipeline
 
 
 def examples(path: str) -> dict[str, list[str]]:

@@ -37,9 +37,10 @@ from typing import Any
 
 from stages.engine.cli import guarded
 from stages.engine.commands import command
-from stages.engine.config import DEFAULT_PIPELINE_FILE, load_pipeline
+from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import why_missing
+from stages.pipeline.loading import load_pipeline
 
 SHOWN = 80  # characters of each input text printed beside its prediction
 # The longest text (a conversation: all its turns) predict takes. The model reads a text's first
@@ -201,18 +202,24 @@ def export_folder(target: str, config: Path, overrides: list[str]) -> Path:
         return path
     from stages.engine.remote_store import open_store
     from stages.engine.status import CACHED, find, pipeline_status
-    from stages.graph import GRAPH
+    from stages.facts import SHIPS, stage_named
+    from stages.graph import graph_for
 
     cfg, store = load_pipeline(target, overrides, config), open_store()
-    st = find(pipeline_status(GRAPH.plan(cfg, store, pinned=False), store), "export")
+    graph = graph_for(cfg)
+    ships = stage_named(graph, SHIPS)
+    if ships is None:
+        raise MissingInputError(f"{cfg.name}: its pipeline ships no model (no stage of its graph exports one); "
+                                f"predict with an export folder instead")
+    st = find(pipeline_status(graph.plan(cfg, store, pinned=False), store), ships)
     if st.status != CACHED or st.path is None:
         why = "; ".join(st.reasons) or st.status
         raise MissingInputError(f"{cfg.name}: no current export ({st.status}: {why}); make it with: "
                                 f"{finetune_command(cfg, config)}")
-    folder = store.materialize("export", st.artifact_key or st.key)  # on a shared store: downloaded here
+    folder = store.materialize(ships, st.artifact_key or st.key)  # on a shared store: downloaded here
     if folder is None:
         raise MissingInputError(f"{cfg.name}: the export {st.key[:12]} could not be read from the store {store}; "
-                                f"make it again with: {finetune_command(cfg, config)} --force export")
+                                f"make it again with: {finetune_command(cfg, config)} --force {ships}")
     return folder
 
 

@@ -30,7 +30,19 @@ from stages.engine.runner import execute
 from stages.engine.status import lookups
 from stages.engine.store import Outcome, Store
 from stages.engine.units import human_bytes
-from stages.graph import GRAPH
+from stages.facts import (
+    EVALUATES,
+    SHIPS,
+    TRAINS,
+    ExportMetrics,
+    adapter_metrics,
+    evaluate_metrics,
+    export_metrics,
+    model_metrics,
+    stage_named,
+    train_metrics,
+)
+from stages.graph import GRAPH, graph_for
 from stages.pipeline.schema import PipelineConfig
 
 NOT_CACHED = 3
@@ -63,7 +75,7 @@ def outcome_row(o: Outcome) -> dict[str, Any]:
             "duration_s": o.manifest.get("duration_s")}
 
 
-def export_contents(facts: dict[str, Any]) -> str:
+def export_contents(facts: ExportMetrics) -> str:
     """What the export folder holds, from its manifest's facts: what sits at the top, and beside it."""
     beside = "".join(f" + {d}/" for d in ("onnx", "gguf") if d in facts)
     if facts.get("method") == "full":
@@ -77,7 +89,8 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
     """The summary. `ran`: the rows are this run's outcomes; otherwise they were read from the store, and the
     status column is each artifact's last recorded outcome (nothing was computed by this command)."""
     by = {r["stage"]: r for r in rows}
-    metric = lambda stage: by.get(stage, {}).get("manifest", {}).get("metrics") or {}  # noqa: E731
+    stages = graph_for(cfg).stages
+    manifests = {name: r.get("manifest") for name, r in by.items()}
     lines = [f"== {cfg.name} summary: {cfg.description}", "",
              f"  {'stage':<10} {'status' if ran else 'last run':<9} {'stage time':>10}  {'key':<12}  artifact"]
     for r in rows:
@@ -94,7 +107,8 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
                  + (f"; summary step {wall_s:.1f} s" if wall_s is not None else ""))
     lines.append("")
 
-    ev = metric("evaluate").get("splits") or {}
+    em = evaluate_metrics(stages, manifests)
+    ev = em.get("splits") or {}
     for split, m in ev.items():
         if "accuracy" in m:
             lines.append(f"  {split} accuracy: {100 * m['accuracy']:.1f}% on {m['examples']} held-out examples "
@@ -102,12 +116,12 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
         else:
             shown = {k: round(v, 4) for k, v in m.items() if isinstance(v, float)}
             lines.append(f"  {split}: {shown}")
-    for split, m in (metric("evaluate").get("baseline") or {}).items():  # evaluate.baseline: untuned vs tuned
+    for split, m in (em.get("baseline") or {}).items():  # evaluate.baseline: untuned vs tuned
         tuned = ev.get(split, {})
         pairs = [f"{k} {v:.4f} -> {tuned[k]:.4f}" for k, v in m.items()
                  if isinstance(v, float) and isinstance(tuned.get(k), float) and not k.startswith("generated")]
         lines.append(f"  {split}, untuned -> tuned: {', '.join(pairs)}")
-    mm, am, tm = metric("model"), metric("adapters"), metric("train")
+    mm, am, tm = model_metrics(stages, manifests), adapter_metrics(stages, manifests), train_metrics(stages, manifests)
     if mm:
         lines.append(f"  model: {cfg.model.name} ({mm.get('model_class')}, quantization {mm.get('quantization')}), "
                      f"{mm.get('parameters', 0):,} parameters, footprint {human_bytes(mm.get('footprint_bytes', 0))}"
@@ -132,9 +146,9 @@ def render(cfg: PipelineConfig, rows: list[dict[str, Any]], wall_s: float | None
                          + (f"; {stopped}" if stopped.startswith("early stopping") else ""))
     lines.append("")
     lines.append(f"  store: {store_root()}")
-    for stage, what in (("export", export_contents(metric("export"))), ("train", "trained weights, loss.png, metrics.jsonl"),
-                        ("evaluate", "metrics.json, predictions.jsonl")):
-        if stage in by and by[stage]["present"]:
+    for role, what in ((SHIPS, export_contents(export_metrics(stages, manifests))),
+                       (TRAINS, "trained weights, loss.png, metrics.jsonl"), (EVALUATES, "metrics.json, predictions.jsonl")):
+        if (stage := stage_named(stages, role)) in by and by[stage]["present"]:
             lines.append(f"  {what + ':':<42} {by[stage]['path']}")
     return "\n".join(lines)
 

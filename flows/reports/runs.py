@@ -13,6 +13,7 @@ from typing import Any
 from flows.reports.formatting import local_time, number, render_table
 from stages.engine.runs import read_runs, records_root
 from stages.engine.status import headline
+from stages.graph import GRAPH
 
 MARKS = {"computed": "C", "cached": "c", "failed": "F", "joined": "J"}
 
@@ -23,9 +24,12 @@ def select(runs: list[dict[str, Any]], pipeline: str | None, sweep: str | None) 
 
 
 def key_metrics(run: dict[str, Any]) -> dict[str, Any]:
+    """The headline metrics of the stages the record kept metrics of (`Stage.reports`): a name two stages
+    have is the later stage's (evaluate's accuracy, not train's)."""
     out: dict[str, Any] = {}
-    for stage in ("evaluate", "train"):  # evaluate's first: a name both have is evaluate's
-        for k, v in headline(run.get("metrics", {}).get(stage)).items():
+    metrics = run.get("metrics") or {}
+    for stage in reversed([s.name for s in GRAPH if s.name in metrics]):
+        for k, v in headline(metrics[stage], GRAPH[stage].headline).items():
             out.setdefault(k, v)
     return out
 

@@ -12,6 +12,8 @@ from flows.reports.formatting import inline_png
 from flows.reports.train_history import stored_history, train_losses
 from flows.reports.variants import sweep_dir
 from stages.engine.store import Store
+from stages.facts import TRAINS
+from stages.graph import GRAPH
 
 
 def write_outputs(c: Comparison, store: Store) -> dict[str, Path]:
@@ -45,9 +47,10 @@ def plot(c: Comparison, store: Store, out: Path) -> None:
             ax1.annotate(f"{pm(v.mean(), v.sd(), is_share(m))} (n={len(vals)})", (i, max(vals)),
                          textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
         for r in v.runs:
-            if "train" in r.keys:
+            trains = next((s for s in GRAPH if s.role == TRAINS and s.name in r.keys), None)
+            if trains is not None:
                 curve = [(p["step"], p["loss"]) for p in
-                         train_losses(stored_history(store, r.keys["train"]))]
+                         train_losses(stored_history(store, trains, r.keys[trains.name]))]
                 if curve:
                     ax2.plot(*zip(*curve, strict=True), color=color, alpha=0.7, linewidth=1,
                              label=v.variant if r is v.runs[0] else None)

@@ -26,14 +26,10 @@ from stages.engine.cli import add_config_option
 from stages.engine.commands import command
 from stages.engine.config import (
     DEFAULT_PIPELINE_FILE,
-    load_doc,
-    load_pipeline,
-    load_sweep,
     parse_override,
     pipeline_names,
     safe_yaml,
     sweep_names,
-    validate_sweep,
     yaml_number,
 )
 from stages.engine.errors import ConfigError, FinetuneError
@@ -42,6 +38,7 @@ from stages.engine.names import inside, name_problem
 from stages.engine.remote_store import open_store
 from stages.engine.store import Store, write_json_atomic
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_doc, load_pipeline, load_sweep, validate_sweep
 from stages.pipeline.schema import PipelineConfig, SweepConfig
 
 

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
+from stages.engine.plan import Hook
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:  # `finetune predict` on an export folder imports no store
+    from stages.engine.plan import Run
     from stages.engine.store import Outcome
 
 
@@ -62,6 +64,21 @@ def describe(o: Outcome) -> str:
     else:
         status, took, note = "cached", f"{'-':>9}", f"  (computed earlier in {secs:.1f}s)"
     return f"  {o.stage:<10} {status:<8} {took}  {o.key[:12]}  {o.path}{note}"
+
+
+class Lines(Hook):
+    """A run on a console: a line per finished stage (`describe`) and, when it ends on a shared store, what it
+    moved; `out` writes one."""
+
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        self.out(describe(outcome))
+
+    def after_run(self, run: Run, status: str) -> None:
+        if status == "FINISHED" and (line := run.transfer_line()):
+            self.out(line)
 
 
 RESUME_NOTE = "committed stages stay in the store, the next run resumes from them"

@@ -1,6 +1,7 @@
 """Loading pipeline.yaml: `defaults` is deep-merged under each named pipeline (which may `extends`
-another), then `--set` overrides, then validation against the schema (stages/pipeline/schema.py). Every problem
-becomes one line naming the YAML path it came from and the fix."""
+another), then `--set` overrides, then validation against the schema a project hands in (`Schema`; the
+finetuning one is stages/pipeline/loading.py's). Every problem becomes one line naming the YAML path it came
+from and the fix. The engine knows no section of the schema: which fields hold paths comes with it."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import copy
 import json
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import annotated_types as at
 import yaml
@@ -18,9 +21,24 @@ from pydantic.fields import FieldInfo
 
 from stages.engine.errors import ConfigError
 from stages.engine.paths import PIPELINE_FILE, work_root
-from stages.pipeline.schema import PipelineConfig, SweepConfig
 
 DEFAULT_PIPELINE_FILE = PIPELINE_FILE
+
+C = TypeVar("C", bound=BaseModel)  # a pipeline's config model
+S = TypeVar("S", bound=BaseModel)  # a sweep's
+
+
+@dataclass(frozen=True)
+class Schema(Generic[C, S]):
+    """What a project's pipeline file is validated against: the config model of a pipeline (its fields
+    `name`, `overrides` and `config_file` are set by the loader), that of a sweep, and the fields holding
+    paths, {(section, key): kind}: a relative one means the folder of the file it is written in (`--set`
+    values: the current directory); "always": the field is a path; "local": a hub id or a path, a path when
+    it starts with ./ ../ ~ or names something that exists there."""
+
+    pipeline: type[C]
+    sweep: type[S]
+    path_fields: Mapping[tuple[str, str], str]
 
 
 def store_root() -> str:
@@ -195,14 +213,6 @@ def read_yaml(path: Path) -> dict:
 
 # ---------------------------------------------------------------- a user's file over the project's
 
-# Fields holding paths: a relative one means the folder of the file it is written in (`--set` values: the
-# current directory). "always": the field is a path; "local": a hub id or a path, a path when it starts with
-# ./ ../ ~ or names something that exists there.
-PATH_FIELDS = {("data", "path"): "always", ("data", "mirror"): "always", ("train", "accelerate_config"): "always",
-               ("tokenize", "tokenizer"): "local", ("model", "name"): "local", ("evaluate", "metrics"): "local",
-               ("tokenize", "chat_template"): "local"}  # a file, or an inline template (never anchored)
-
-
 def _anchored(value: Any, folder: Path, kind: str) -> Any:
     if isinstance(value, list):
         return [_anchored(v, folder, kind) for v in value]
@@ -216,65 +226,70 @@ def _anchored(value: Any, folder: Path, kind: str) -> Any:
     return value
 
 
-def anchor_paths(body: dict, folder: Path, kinds: tuple[str, ...] = ("always", "local")) -> dict:
-    """A pipeline body (or defaults) with its relative paths (of PATH_FIELDS of these kinds) made absolute
+def anchor_paths(body: dict, folder: Path, path_fields: Mapping[tuple[str, str], str],
+                 kinds: tuple[str, ...] = ("always", "local")) -> dict:
+    """A pipeline body (or defaults) with its relative paths (of `path_fields` of these kinds) made absolute
     against `folder`."""
     out = copy.deepcopy(body)
-    for (section, key), kind in PATH_FIELDS.items():
+    for (section, key), kind in path_fields.items():
         node = out.get(section)
         if isinstance(node, dict) and key in node and kind in kinds:
             node[key] = _anchored(node[key], folder, kind)
     return out
 
 
-def _anchor_dotted(overrides: dict, folder: Path) -> dict:
+def _anchor_dotted(overrides: dict, folder: Path, path_fields: Mapping[tuple[str, str], str]) -> dict:
     """A sweep's {dotted.key: value} overrides with relative paths made absolute against `folder`."""
-    kinds = {f"{s}.{k}": kind for (s, k), kind in PATH_FIELDS.items()}
+    kinds = {f"{s}.{k}": kind for (s, k), kind in path_fields.items()}
     return {k: (_anchored(v, folder, kinds[k]) if k in kinds else v) for k, v in overrides.items()}
 
 
-def _anchor_sweep(body: Any, folder: Path) -> Any:
+def _anchor_sweep(body: Any, folder: Path, path_fields: Mapping[tuple[str, str], str]) -> Any:
     if not isinstance(body, dict):
         return body
     out = dict(body)
     if isinstance(out.get("set"), dict):
-        out["set"] = _anchor_dotted(out["set"], folder)
+        out["set"] = _anchor_dotted(out["set"], folder, path_fields)
     if isinstance(out.get("grid"), dict):
-        kinds = {f"{s}.{k}": kind for (s, k), kind in PATH_FIELDS.items()}
+        kinds = {f"{s}.{k}": kind for (s, k), kind in path_fields.items()}
         out["grid"] = {k: ([_anchored(x, folder, kinds[k]) for x in v] if k in kinds and isinstance(v, list) else v)
                        for k, v in out["grid"].items()}
     if isinstance(out.get("variants"), list):
-        out["variants"] = [_anchor_dotted(v, folder) if isinstance(v, dict) else v for v in out["variants"]]
+        out["variants"] = [_anchor_dotted(v, folder, path_fields) if isinstance(v, dict) else v
+                           for v in out["variants"]]
     return out
 
 
-def _anchored_doc(path: Path) -> dict:
+def _anchored_doc(path: Path, path_fields: Mapping[tuple[str, str], str]) -> dict:
     doc = read_yaml(path)
     folder = path.resolve().parent
-    return {"defaults": anchor_paths(doc.get("defaults") or {}, folder),
-            "pipelines": {n: anchor_paths(b, folder) if isinstance(b, dict) else b
+    return {"defaults": anchor_paths(doc.get("defaults") or {}, folder, path_fields),
+            "pipelines": {n: anchor_paths(b, folder, path_fields) if isinstance(b, dict) else b
                           for n, b in (doc.get("pipelines") or {}).items()},
-            "sweeps": {n: _anchor_sweep(b, folder) for n, b in (doc.get("sweeps") or {}).items()}}
+            "sweeps": {n: _anchor_sweep(b, folder, path_fields) for n, b in (doc.get("sweeps") or {}).items()}}
 
 
 def is_project_file(path: Path | str) -> bool:
     return Path(path).resolve() == DEFAULT_PIPELINE_FILE.resolve()
 
 
-def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE) -> dict:
-    """The pipelines, defaults and sweeps a config file gives, with relative paths anchored at its folder.
+def load_doc(path: Path | str = DEFAULT_PIPELINE_FILE, path_fields: Mapping[tuple[str, str], str] | None = None) \
+        -> dict:
+    """The pipelines, defaults and sweeps a config file gives, with relative paths (`path_fields`, a
+    Schema's) anchored at its folder.
     A user's file (any file but the project's pipeline.yaml) builds on the project's: the project's
     defaults apply beneath the file's own, its pipelines and sweeps are there unless the file defines one
     of the same name, and a pipeline may `extends` a project pipeline (itself included: `demo:` with
     `extends: demo` is the project's demo with the file's changes). `pipelines` is the combined view;
     `layers` keeps the file's (`own`) and the project's (`project`) apart for `extends`."""
     path = Path(path)
-    own = _anchored_doc(path)
+    path_fields = path_fields or {}
+    own = _anchored_doc(path, path_fields)
     project: dict[str, Any]
     if is_project_file(path) or not DEFAULT_PIPELINE_FILE.is_file():
         project = {"defaults": {}, "pipelines": {}, "sweeps": {}}
     else:
-        project = _anchored_doc(DEFAULT_PIPELINE_FILE)
+        project = _anchored_doc(DEFAULT_PIPELINE_FILE, path_fields)
     return {"defaults": _deep_merge(project["defaults"], own["defaults"]),
             "defaults_layers": [("defaults", own["defaults"]),
                                 (f"{DEFAULT_PIPELINE_FILE.name} defaults", project["defaults"])],
@@ -302,10 +317,10 @@ def sweep_names(path: Path | str = DEFAULT_PIPELINE_FILE) -> list[str]:
     return list(load_doc(path)["sweeps"])
 
 
-def load_sweep(name: str, path: Path | str = DEFAULT_PIPELINE_FILE) -> SweepConfig:
+def load_sweep(schema: Schema[C, S], name: str, path: Path | str = DEFAULT_PIPELINE_FILE) -> S:
     """A named sweep of the file's `sweeps:`, validated (its variants' configs are checked by whoever expands it)."""
     path = Path(path)
-    doc = load_doc(path)
+    doc = load_doc(path, schema.path_fields)
     sweeps = doc["sweeps"]
     if name not in sweeps:
         raise ConfigError(f"unknown sweep '{name}'; available: {', '.join(sweeps) or 'none'} "
@@ -313,29 +328,29 @@ def load_sweep(name: str, path: Path | str = DEFAULT_PIPELINE_FILE) -> SweepConf
     body = sweeps[name]
     if not isinstance(body, dict):
         raise ConfigError(f"sweeps.{name}: must be a mapping (pipeline, grid or variants, metric ...)")
-    return validate_sweep(name, body, f"sweeps.{name}", doc)
+    return validate_sweep(schema, name, body, f"sweeps.{name}", doc)
 
 
-def validate_sweep(name: str, body: dict, where: str, doc: dict | None = None) -> SweepConfig:
-    """body -> SweepConfig; every problem one line naming `where` (the YAML path, or the command's options)."""
+def validate_sweep(schema: Schema[C, S], name: str, body: dict, where: str, doc: dict | None = None) -> S:
+    """body -> the schema's sweep; every problem one line naming `where` (the YAML path, or the command's options)."""
     if "name" in body:
         raise ConfigError(f"{where}: 'name' is the sweep's key; remove it")
     try:
-        sweep = SweepConfig.model_validate({**body, "name": name})
+        sweep = schema.sweep.model_validate({**body, "name": name})
     except ValidationError as e:
         problems = []
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
-                msg = f"unknown key; valid keys here: {', '.join(f for f in SweepConfig.model_fields if f != 'name')}"
+                msg = f"unknown key; valid keys here: {', '.join(f for f in schema.sweep.model_fields if f != 'name')}"
             elif err["type"] == "value_error":
                 msg = str((err.get("ctx") or {}).get("error", err["msg"]))
             else:
                 msg = f"{err['msg']}, got {err.get('input')!r}"
             problems.append(f"{where}{'.' + loc if loc else ''}: {msg}")
         raise ConfigError("; ".join(problems)) from None
-    if doc is not None and sweep.pipeline not in doc["pipelines"]:
-        raise ConfigError(f"{where}.pipeline: unknown pipeline '{sweep.pipeline}'; available: "
+    if doc is not None and (pipeline := getattr(sweep, "pipeline", None)) not in doc["pipelines"]:
+        raise ConfigError(f"{where}.pipeline: unknown pipeline '{pipeline}'; available: "
                           f"{', '.join(doc['pipelines'])}")
     return sweep
 
@@ -371,10 +386,11 @@ def _chain(doc: dict, name: str | None) -> list[tuple[str, dict]]:
     return chain
 
 
-def load_pipeline(name: str, overrides: list[str] | dict | None = None,
-                  path: Path | str = DEFAULT_PIPELINE_FILE) -> PipelineConfig:
+def load_pipeline(schema: Schema[C, Any], name: str, overrides: list[str] | dict | None = None,
+                  path: Path | str = DEFAULT_PIPELINE_FILE) -> C:
+    """The named pipeline of the file (its `extends` chain over `defaults`, then `overrides`), validated."""
     path = Path(path)
-    doc = load_doc(path)
+    doc = load_doc(path, schema.path_fields)
     if name not in doc["pipelines"]:
         raise ConfigError(f"unknown pipeline '{name}'; available: {', '.join(doc['pipelines'])} "
                           f"(defined under pipelines: in {path.name})")
@@ -386,19 +402,19 @@ def load_pipeline(name: str, overrides: list[str] | dict | None = None,
         if field in merged:
             raise ConfigError(f"pipelines.{name}: '{field}' is set by the loader; remove it from {path.name}")
     # --set paths: the current directory's, made absolute here (the export key holds data.path as written)
-    over = anchor_paths(overrides_to_dict(overrides), Path.cwd(), ("always",))
+    over = anchor_paths(overrides_to_dict(overrides), Path.cwd(), schema.path_fields, ("always",))
     merged = _deep_merge(merged, over)
     merged["name"] = name
     merged["overrides"] = override_strings(overrides)
     merged["config_file"] = None if is_project_file(path) else str(path.resolve())
     merged.pop("extends", None)
     try:
-        return PipelineConfig.model_validate(merged)
+        return schema.pipeline.model_validate(merged)
     except ValidationError as e:
-        raise ConfigError(_describe(e, name, chain, doc["defaults_layers"], over)) from None
+        raise ConfigError(_describe(schema.pipeline, e, name, chain, doc["defaults_layers"], over)) from None
 
 
-def inherited_from(cfg: PipelineConfig, dotted: str) -> str | None:
+def inherited_from(cfg: Any, dotted: str) -> str | None:
     """The pipeline a loaded pipeline's field came from by `extends` (`smol-chat` for a `data.split` that a
     pipeline extending smol-chat left as it was), None when the pipeline itself, `--set` or the defaults set
     it, or the config was not loaded by name from its file. For errors that name where a setting came from."""
@@ -445,14 +461,14 @@ def _origin(loc: tuple, name: str, chain: list, defaults: list, over: dict) -> s
 BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}
 
 
-def _describe(err: ValidationError, name: str, chain: list, defaults: list, over: dict) -> str:
+def _describe(root: type[BaseModel], err: ValidationError, name: str, chain: list, defaults: list, over: dict) -> str:
     problems = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
         kind, ctx, got = e["type"], e.get("ctx") or {}, e.get("input")
         where = _origin(loc, name, chain, defaults, over) if loc else f"pipelines.{name}"
         if kind == "extra_forbidden":
-            model = _model_at(loc[:-1])
+            model = _model_at(root, loc[:-1])
             valid = ", ".join(model.model_fields) if model else "see pipeline.yaml"
             msg = f"unknown key '{loc[-1]}'; valid keys here: {valid}"
         elif kind == "missing":
@@ -462,9 +478,9 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
                 bound = next(iter(ctx.values()))
                 want = f"{BOUNDS[kind]} {int(bound) if isinstance(bound, float) and bound.is_integer() else bound}"
             else:  # an integer too large for pydantic to parse: past any upper bound of the field
-                want = _upper_bound(loc) or "a smaller integer"
+                want = _upper_bound(root, loc) or "a smaller integer"
             too_large = kind in ("less_than", "less_than_equal", "int_parsing_size")
-            msg = f"must be {want}, got {got!r}" + (f"; {hint}" if too_large and (hint := _fix(loc)) else "")
+            msg = f"must be {want}, got {got!r}" + (f"; {hint}" if too_large and (hint := _fix(root, loc)) else "")
         elif kind == "finite_number":
             msg = f"must be a finite number, got {got!r}"
         elif kind == "literal_error":
@@ -487,26 +503,26 @@ def _describe(err: ValidationError, name: str, chain: list, defaults: list, over
     return "; ".join(problems)
 
 
-def _field_at(loc: tuple) -> FieldInfo | None:
-    model = _model_at(loc[:-1]) if loc else None
+def _field_at(root: type[BaseModel], loc: tuple) -> FieldInfo | None:
+    model = _model_at(root, loc[:-1]) if loc else None
     return model.model_fields.get(str(loc[-1])) if model else None
 
 
-def _upper_bound(loc: tuple) -> str | None:
+def _upper_bound(root: type[BaseModel], loc: tuple) -> str | None:
     """The field's upper bound (`<= 10000`), if it has one."""
-    field = _field_at(loc)
+    field = _field_at(root, loc)
     return next((f"{op} {getattr(m, attr)}" for m in (field.metadata if field else [])
                  for cls, attr, op in ((at.Le, "le", "<="), (at.Lt, "lt", "<")) if isinstance(m, cls)), None)
 
 
-def _fix(loc: tuple) -> str | None:
+def _fix(root: type[BaseModel], loc: tuple) -> str | None:
     """What the field's schema says to do when its value is above its bound (schema.fix)."""
-    extra = field.json_schema_extra if (field := _field_at(loc)) else None
+    extra = field.json_schema_extra if (field := _field_at(root, loc)) else None
     return extra.get("fix") if isinstance(extra, dict) else None  # type: ignore[return-value]
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: Any = PipelineConfig
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    model: Any = root
     for part in loc:
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:

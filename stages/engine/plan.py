@@ -8,14 +8,13 @@ the plan it returns (stages/engine/runner.py); `--only`, `--until` and `--force`
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from stages.engine.commands import command
-from stages.engine.config import load_pipeline
+from stages.engine.config import Schema, load_pipeline
 from stages.engine.errors import ConfigError, FinetuneError, HubUnreachableError
 from stages.engine.fingerprint import (
     PROCESS_MEMO,
@@ -27,14 +26,12 @@ from stages.engine.fingerprint import (
 )
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
-from stages.pipeline.schema import PipelineConfig
-from stages.pipeline.tracking import TRACK_ENV
-from stages.pipeline.tracking import check as check_tracking
 
 if TYPE_CHECKING:
     import argparse
+    from collections.abc import Callable, Sequence
 
-    from stages.engine.store import Store
+    from stages.engine.store import Outcome, Store
 
 # What a run does with a planned stage:
 RUN = "run"  # reuse its artifact when the store has a hit, else compute it
@@ -42,15 +39,95 @@ FORCE = "force"  # compute it, without looking in the store first (--force)
 READ = "read"  # an upstream of --only: read from the store, which must have it
 
 
+# ---------------------------------------------------------------- what the engine is handed about a project
+# A graph carries its project (stages/graph.py builds the finetuning one): the config its pipelines are validated
+# against, what a run checks beyond the stages' own checks, the hooks every run carries (Kedro's
+# before/after_node_run, on_node_error) and what a command line's options turn on. So the engine names no section
+# of the config, no method and no metric.
+
+class Pipeline(Protocol):
+    """What the engine reads of a pipeline's config; every other field is the stages'."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def overrides(self) -> list[str]: ...
+
+    @property
+    def config_file(self) -> str | None: ...
+
+    def overrides_within(self, reads: tuple[str, ...]) -> list[str]: ...
+
+
+class Run(Protocol):
+    """What a hook sees of a run (stages/engine/runner.py `Execution`)."""
+
+    plan: Plan[Any]
+    store: Store
+    outcomes: list[Outcome]  # the steps finished so far, in order
+    # what identifies the run: its store, its record, the caller's (a Prefect flow run); a hook may add to
+    # them in before_run, for the hooks after it
+    tags: dict[str, str]
+
+    def transfers(self) -> dict[str, int] | None: ...
+
+    def transfer_line(self) -> str | None: ...
+
+
+class Hook:
+    """Something that hangs on a run (run records, experiment tracking, a UI, printed lines), as Kedro's
+    hooks do: the one loop (stages/engine/runner.py `Execution`) calls each method at its point, in the order
+    the hooks were registered; each does nothing unless overridden."""
+
+    def before_run(self, run: Run) -> None:
+        """The run starts: its upstream (--only) read, nothing computed yet."""
+
+    def before_stage(self, run: Run, item: Planned) -> None:
+        """A step is about to run (or be looked up in the store)."""
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        """A step finished: computed, a store hit, or joined (another machine commits it)."""
+
+    def on_error(self, run: Run, stage: str | None, error: BaseException) -> None:
+        """The run failed in `stage` (None: between stages), with what raised or the driver's message."""
+
+    def after_run(self, run: Run, status: str) -> None:
+        """The run ended: FINISHED, FAILED (on_error came first) or KILLED (interrupted)."""
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Project:
+    """A graph's pipelines: their schema; `check_run`, called on a resolved config at plan time for a run (not
+    for a report such as status), may refuse it in one ConfigError; `hooks` makes the hooks of one run;
+    `options` applies a command line's options to this process (before its config loads)."""
+
+    schema: Schema[Any, Any]
+    check_run: Callable[[Any], None] = _nothing
+    hooks: Callable[[], Sequence[Hook]] = tuple
+    options: Callable[[argparse.Namespace], None] = _nothing
+
+
+# ---------------------------------------------------------------- the graph and its plans
+
 class GraphError(FinetuneError):
     """The stage graph itself is wrong (a stage's upstream misspelled or listed after it)."""
 
 
-class Graph:
-    """The stages in run order, validated when built: names unique, every upstream an earlier stage."""
+P = TypeVar("P", bound=Pipeline)  # the config of the graph's pipelines (its project's schema)
 
-    def __init__(self, stages: Iterable[Stage]):
-        self.stages: tuple[Stage, ...] = tuple(stages)
+
+class Graph(Generic[P]):
+    """The stages in run order, validated when built: names unique, every upstream an earlier stage; and
+    the project whose pipelines run them (their schema, run checks and hooks)."""
+
+    def __init__(self, stages: Iterable[Stage[P]], project: Project | None = None):
+        self.stages: tuple[Stage[P], ...] = tuple(stages)
+        self.project = project
         self.names: list[str] = [s.name for s in self.stages]
         seen: set[str] = set()
         for st in self.stages:
@@ -66,10 +143,10 @@ class Graph:
         self._by_name = {s.name: s for s in self.stages}
         self.selectable: list[str] = self.names  # what --only / --until / --force may name
 
-    def __iter__(self) -> Iterator[Stage]:
+    def __iter__(self) -> Iterator[Stage[P]]:
         return iter(self.stages)
 
-    def __getitem__(self, name: str) -> Stage:
+    def __getitem__(self, name: str) -> Stage[P]:
         return self._by_name[name]
 
     def ancestors(self, name: str) -> set[str]:
@@ -91,22 +168,24 @@ class Graph:
                     raise ConfigError(f"{option} {n}: unknown stage{_did_you_mean(n, self.selectable)}; stages are "
                                       f"{', '.join(self.selectable)}")
 
-    def load(self, args: argparse.Namespace) -> PipelineConfig:
-        """The config a command line names (pipeline, --set, --config), its stage options checked; `--track`
-        turns tracking on for this process and those it starts."""
-        if getattr(args, "track", False):
-            os.environ[TRACK_ENV] = "1"
+    def load(self, args: argparse.Namespace) -> P:
+        """The config a command line names (pipeline, --set, --config), its stage options checked, the
+        project's options applied to this process (`--track`: tracking on here and in what it starts)."""
+        if self.project is None:
+            raise GraphError("this graph has no project: build it with Graph(stages, Project(schema, ...)) to load "
+                             "a pipeline through it")
+        self.project.options(args)
         self.check_selection(getattr(args, "force", ()), getattr(args, "only", None), getattr(args, "until", None))
-        return load_pipeline(args.pipeline, args.overrides, args.config)
+        return cast(P, load_pipeline(self.project.schema, args.pipeline, args.overrides, args.config))
 
-    def validate(self, cfg: PipelineConfig, only: str | None = None, until: str | None = None) -> PipelineConfig:
+    def validate(self, cfg: P, only: str | None = None, until: str | None = None) -> P:
         """Every check `plan` makes, without hashing anything: the resolved config (a sweep checks each
         variant this way before its first run starts)."""
         return self._checked(cfg, only, until, True)[0]
 
-    def plan(self, cfg: PipelineConfig, store: Store | None = None, *, only: str | None = None,
+    def plan(self, cfg: P, store: Store | None = None, *, only: str | None = None,
              until: str | None = None, force: Iterable[str] = (), verify: bool = False,
-             hashes: HashMemo | None = None, pinned: bool = True) -> Plan:
+             hashes: HashMemo | None = None, pinned: bool = True) -> Plan[P]:
         """Resolve, check and key `cfg` for every stage, then select (--only / --until) and force. Input
         files are hashed through the store's memo (`store`, else `hashes`, else this process's); nothing is
         written before every check has passed. `pinned=False` (a report: status, diff, gc): a hub revision
@@ -126,12 +205,12 @@ class Graph:
             items.append(Planned(st, keys[st.name]))
         return Plan(cfg, self, tuple(items), verify).select(only, until).forcing(force)
 
-    def _checked(self, cfg: PipelineConfig, only: str | None, until: str | None, pinned: bool) \
-            -> tuple[PipelineConfig, dict[str, list[Path] | dict[str, Path]], dict[str, dict[str, str]]]:
+    def _checked(self, cfg: P, only: str | None, until: str | None, pinned: bool) \
+            -> tuple[P, dict[str, list[Path] | dict[str, Path]], dict[str, dict[str, str]]]:
         """Everything that can be known before a run, checked without touching the store: the stage options,
         the stages' derived fields and the data they read (Stage.resolve), each stage's config checks
-        (Stage.check), tracking (for a run), every input file the stages name, and that each hub repo the selected stages download
-        can be pinned (each revision resolved once). Raises one FinetuneError; returns the resolved config
+        (Stage.check), the project's run checks (for a run: tracking that is on can work), every input file
+        the stages name, and that each hub repo the selected stages download can be pinned (each revision resolved once). Raises one FinetuneError; returns the resolved config
         and each stage's input files and hub pins."""
         self.check_selection((), only, until)
         for st in self.stages:
@@ -140,8 +219,8 @@ class Graph:
         for st in self.stages:
             if st.check is not None:
                 st.check(cfg)
-        if pinned:  # a run, not a report: tracking that is on must be able to work
-            check_tracking(cfg)
+        if pinned and self.project is not None:  # a run, not a report
+            self.project.check_run(cfg)
         files = {st.name: st.inputs(cfg) for st in self.stages}  # a wrong path raises here, for every stage
         deps = {st.name: st.deps(cfg) for st in self.stages}
         chosen = [only] if only else self.names[: self.names.index(until) + 1] if until else self.names
@@ -165,7 +244,7 @@ def _did_you_mean(name: str, names: list[str]) -> str:
 class Planned:
     """A stage, its key for this config, and what the run does with it (RUN, FORCE or READ)."""
 
-    stage: Stage
+    stage: Stage[Any]
     key: StageKey
     action: str = RUN
 
@@ -175,12 +254,12 @@ class Planned:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(Generic[P]):
     """One config's stages with their keys, in run order, and what a run does with each: immutable;
     `select` and `forcing` return new plans."""
 
-    cfg: PipelineConfig  # resolved: the config every key was computed from
-    graph: Graph
+    cfg: P  # resolved: the config every key was computed from
+    graph: Graph[P]
     items: tuple[Planned, ...]
     verify: bool = False  # check the full sha256 of every reused artifact
 
@@ -199,7 +278,7 @@ class Plan:
     def reads(self) -> tuple[Planned, ...]:
         return tuple(i for i in self.items if i.action == READ)
 
-    def select(self, only: str | None = None, until: str | None = None) -> Plan:
+    def select(self, only: str | None = None, until: str | None = None) -> Plan[P]:
         """Just `only` (its upstream read from the store), or every stage up to and including `until`."""
         self.graph.check_selection((), only, until)
         if only:
@@ -213,7 +292,7 @@ class Plan:
             items = self.items
         return replace(self, items=items)
 
-    def forcing(self, names: Iterable[str]) -> Plan:
+    def forcing(self, names: Iterable[str]) -> Plan[P]:
         """The named stages computed even if the store has them (a READ stage stays read)."""
         names = set(names)
         self.graph.check_selection(names)
@@ -230,28 +309,3 @@ class Plan:
     def run_command(self) -> str:
         """The command that runs this config's whole pipeline, as it was loaded (file and --set list)."""
         return command("run", self.cfg.name, config=self.cfg.config_file, overrides=self.cfg.overrides)
-
-
-# ---------------------------------------------------------------- handing a plan to the flow
-# A command line prepares its plan before Prefect is imported (bad input: one line, exit 2, nothing
-# written), then starts the flow, whose parameters are the pipeline's name and options (what a deployment
-# run passes too). The plan is handed over so the flow does not load and resolve the config again: taken
-# once, and only by a flow run with the same request.
-_handed: dict[tuple, Plan] = {}
-
-
-def request(pipeline: str, overrides: dict[str, Any] | list[str] | None, config: Path | str | None,
-            only: str | None, until: str | None, force: Iterable[str], verify: bool) -> tuple:
-    """What a plan was asked for, as a flow run's parameters say it."""
-    over = tuple(overrides.items()) if isinstance(overrides, dict) else tuple(overrides or ())
-    return (pipeline, repr(over), str(Path(config).resolve()) if config else None, only, until,
-            tuple(sorted(force)), verify)
-
-
-def hand_over(plan: Plan, req: tuple) -> None:
-    _handed.clear()
-    _handed[req] = plan
-
-
-def take(req: tuple) -> Plan | None:
-    return _handed.pop(req, None)

@@ -12,15 +12,19 @@ shared store it reads the record once), so `updated` is when the variant's resul
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json, sha256_text
+from stages.engine.plan import Hook
 from stages.engine.runs import SWEEP_ENV
 from stages.engine.stage import JOINED
 from stages.engine.store import Outcome, Store
+
+if TYPE_CHECKING:
+    from stages.engine.plan import Run
 
 
 class Result(BaseModel):
@@ -86,3 +90,15 @@ class ResultRecorder:
         if self.known.get(o.stage) != o.key:
             self.store.record_result(self.id, self.variant, o.stage, o.key)
             self.known[o.stage] = o.key
+
+
+class Results(Hook):
+    """Each finished stage's key into the run's result record, as a hook (what gc keeps until dropped)."""
+
+    recorder: ResultRecorder
+
+    def before_run(self, run: Run) -> None:
+        self.recorder = ResultRecorder(run.store, run.plan.cfg.name, run.plan.cfg.overrides)
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        self.recorder.stage(outcome)

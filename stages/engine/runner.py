@@ -1,6 +1,7 @@
 """Executes a plan (stages/engine/plan.py): each step through the store, in order. `execute` is the whole
 run for `python -m stages`; the Prefect flow is the same loop over `Execution.pending()` with one task per
-step, each task calling `run_step`. The engine never names a stage: the graph is handed in with the plan."""
+step, each task calling `run_step`. Everything else a run does (its record, tracking, printed lines, the UI)
+hangs on hooks (plan.py `Hook`). The engine never names a stage: the graph is handed in with the plan."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import cast
+from typing import Any
 
 from stages.engine.errors import (
     DiskFullError,
@@ -23,30 +24,29 @@ from stages.engine.errors import (
     is_unreachable,
     store_failure,
 )
-from stages.engine.plan import FORCE, Plan, Planned
-from stages.engine.results import ResultRecorder
-from stages.engine.runs import RunRecord, records_root
+from stages.engine.plan import FORCE, Hook, Plan, Planned
+from stages.engine.results import Results
+from stages.engine.runs import RunRecords
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params
 from stages.engine.status import CACHED, lookups
 from stages.engine.store import Outcome, Store
 from stages.engine.units import human_bytes
-from stages.pipeline.schema import PipelineConfig
-from stages.pipeline.tracking import RunTracking
 
 log = logging.getLogger("finetune")
 
 
-def context_for(plan: Plan, item: Planned, done: dict[str, Outcome]) -> Callable[[Path, Path], tuple[StageContext]]:
+def context_for(plan: Plan[Any], item: Planned, done: dict[str, Outcome]) \
+        -> Callable[[Path, Path], tuple[StageContext[Any]]]:
     """What the stage's body is handed (its arguments), once the store gives it its output and work folders."""
     st = item.stage
-    view = cast(PipelineConfig, ConfigView(plan.cfg, st.reads, st.name))
+    view = ConfigView(plan.cfg, st.reads, st.name)
     ups = {u: done[u] for u in st.upstream}
     return lambda out, work: (StageContext(
         cfg=view, out_dir=out, work_dir=work, upstream={u: o.path for u, o in ups.items()},
         upstream_manifests={u: o.manifest for u, o in ups.items()}, log=logging.getLogger(f"finetune.{st.name}")),)
 
 
-def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) -> Outcome:
+def run_step(plan: Plan[Any], item: Planned, store: Store, done: dict[str, Outcome]) -> Outcome:
     """Run (or reuse) one planned stage. `done` holds the outcomes of its upstream stages."""
     st, sk, force = item.stage, item.key, item.action == FORCE
     missing = [u for u in st.upstream if u not in done]
@@ -82,7 +82,7 @@ def run_step(plan: Plan, item: Planned, store: Store, done: dict[str, Outcome]) 
     return outcome
 
 
-def check_store_writable(plan: Plan, store: Store, note: bool = True) -> None:
+def check_store_writable(plan: Plan[Any], store: Store, note: bool = True) -> None:
     """Before anything runs (a command line calls it before Prefect starts, and every Execution): a store this
     process cannot write (a read-only folder, a missing bucket, no rights) is refused in one line, unless the
     run needs no write: every stage it runs is a store hit. Then the store is used read-only (no refs, events,
@@ -115,7 +115,7 @@ def free_space(store: Store) -> str:
         return f"the store is {store.root}"
 
 
-def joined_stage(item: Planned, store: Store, context: Callable[[Path, Path], tuple[StageContext]],
+def joined_stage(item: Planned, store: Store, context: Callable[[Path, Path], tuple[StageContext[Any]]],
                  role: str) -> Outcome:
     """Run the body to help another machine compute the stage (Stage.joins): in a scratch folder, without
     the key's lease (that machine holds it) and committing nothing."""
@@ -130,7 +130,7 @@ def joined_stage(item: Planned, store: Store, context: Callable[[Path, Path], tu
                    {"duration_s": time.perf_counter() - t0, "metrics": metrics, "role": role})
 
 
-def read_upstream(plan: Plan, store: Store) -> dict[str, Outcome]:
+def read_upstream(plan: Plan[Any], store: Store) -> dict[str, Outcome]:
     """For --only STAGE: its upstream stages' artifacts (the plan's READ steps), which must be hits."""
     done: dict[str, Outcome] = {}
     for item in plan.reads:  # in pipeline order: a stage's upstream is in `done` before the stage
@@ -146,12 +146,18 @@ def read_upstream(plan: Plan, store: Store) -> dict[str, Outcome]:
 
 
 class Execution:
-    """One run of a plan: its outcomes so far (`done`: what the next step's upstream reads) and its record
-    in the run history, and in MLflow when tracking is on (`tags`: the caller's, e.g. its Prefect flow run).
-    Used as a context manager around the loop over `pending()`; the run ends with the plan, after a JOINED
-    step (nothing of it here for the stages after), or failed with what raised."""
+    """One run of a plan, the loop every driver shares: `pending()` yields its steps in order, `finished()`
+    takes each one's outcome (`done`: what the next step's upstream reads), `fail()` ends it on a step that
+    failed without raising here. Used as a context manager around that loop; the run ends with the plan,
+    after a JOINED step (nothing of it here for the stages after), or failed with what raised.
 
-    def __init__(self, plan: Plan, store: Store, tags: dict[str, str] | None = None):
+    Everything else hangs on hooks (stages/engine/plan.py `Hook`), called in this order: the run records and
+    the result record (the engine's own), the project's (stages/graph.py: experiment tracking), then the
+    driver's (`python -m stages`: its printed lines; the Prefect flow: the UI's artifacts). `tags`: what
+    identifies the run to them (its store, its record, the caller's: e.g. its Prefect flow run)."""
+
+    def __init__(self, plan: Plan[Any], store: Store, tags: dict[str, str] | None = None,
+                 hooks: Sequence[Hook] = ()):
         self.plan, self.store = plan, store
         check_store_writable(plan, store)
         if freed := store.sweep_tmp():  # what runs that died on this store left in .tmp
@@ -160,11 +166,9 @@ class Execution:
         self.outcomes: list[Outcome] = []
         self.current: str | None = None
         self.failed = False
-        self.record = RunRecord(records_root(store), plan.cfg.name, plan.cfg.overrides, plan.selection(),
-                                [s.name for s in plan.graph if s.reports])
-        self.results = ResultRecorder(store, plan.cfg.name, plan.cfg.overrides)  # what gc keeps until dropped
-        self.tracking = RunTracking.start(plan.cfg, {"finetune.run_record": self.record.data["id"],
-                                                     "finetune.store": str(store), **(tags or {})})
+        self.tags = {"finetune.store": str(store), **(tags or {})}
+        project = plan.graph.project
+        self.hooks: list[Hook] = [RunRecords(), Results(), *(project.hooks() if project else ()), *hooks]
         self._moved_before = store.transfers()
 
     def transfers(self) -> dict[str, int] | None:
@@ -183,6 +187,8 @@ class Execution:
     def pending(self) -> Iterator[Planned]:
         for item in self.plan.steps:
             self.current = item.name
+            for hook in self.hooks:
+                hook.before_stage(self, item)
             yield item
             if self.outcomes and self.outcomes[-1].reason == JOINED:
                 log.info("%s joined another machine's run: the stages after it run there", item.name)
@@ -191,12 +197,8 @@ class Execution:
     def finished(self, outcome: Outcome) -> Outcome:
         self.done[outcome.stage] = outcome
         self.outcomes.append(outcome)
-        self.record.stage(outcome)
-        self.results.stage(outcome)
-        if self.tracking is not None:
-            if not outcome.computed and outcome.reason != JOINED:  # tracking logs its files: here, downloaded
-                self.store.materialize(outcome.stage, outcome.key, outcome.manifest.get("digest"))
-            self.tracking.stage(self.plan.graph[outcome.stage], outcome)
+        for hook in self.hooks:
+            hook.after_stage(self, outcome)
         self.current = None
         return outcome
 
@@ -204,35 +206,33 @@ class Execution:
         # every key the run reads or writes stays out of gc's reach until it ends
         self._held = contextlib.ExitStack()
         self._held.enter_context(self.store.protecting((i.key.stage, i.key.key) for i in self.plan.items))
+        for hook in self.hooks:
+            hook.before_run(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         self._held.close()
-        if (moved := self.transfers()) is not None:
-            self.record.data["transfers"] = moved
         if err is not None:
-            self.record.failed(self.current, err)
-        elif not self.failed:
-            self.record.end()
-        if self.tracking is not None:
-            self.tracking.end("FAILED" if self.failed or isinstance(err, Exception)
-                              else "KILLED" if err is not None else "FINISHED")
+            self._error(self.current, err)
+        status = "FAILED" if self.failed else "KILLED" if err is not None else "FINISHED"
+        for hook in self.hooks:
+            hook.after_run(self, status)
 
     def fail(self, message: str) -> None:
         """The current step failed without raising here (the flow's task ended Failed)."""
-        self.record.failed(self.current, RuntimeError(message))
-        self.current, self.failed = None, True
+        self._error(self.current, RuntimeError(message))
+        self.current = None
+
+    def _error(self, stage: str | None, err: BaseException) -> None:
+        self.failed = self.failed or isinstance(err, Exception)
+        for hook in self.hooks:
+            hook.on_error(self, stage, err)
 
 
-def execute(plan: Plan, store: Store, on_outcome: Callable[[Outcome], None] | None = None,
-            on_end: Callable[[str], None] | None = None) -> list[Outcome]:
-    """Run the plan's steps in order through the store (`python -m stages`, tests, the summary); `on_end`
-    gets the closing line on a shared store (what the run moved)."""
-    with Execution(plan, store) as run:
+def execute(plan: Plan[Any], store: Store, hooks: Sequence[Hook] = ()) -> list[Outcome]:
+    """Run the plan's steps in order through the store, in this process (`python -m stages`, tests, the
+    summary), with the driver's `hooks` after the engine's and the project's."""
+    with Execution(plan, store, hooks=hooks) as run:
         for item in run.pending():
-            outcome = run.finished(run_step(plan, item, store, run.done))
-            if on_outcome:
-                on_outcome(outcome)
-    if on_end and (line := run.transfer_line()):
-        on_end(line)
+            run.finished(run_step(plan, item, store, run.done))
     return run.outcomes

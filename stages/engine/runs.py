@@ -14,9 +14,13 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from stages.engine.plan import Hook
 from stages.engine.store import Outcome, now_iso, write_json_atomic
+
+if TYPE_CHECKING:
+    from stages.engine.plan import Run
 
 SWEEP_ENV = "FINETUNE_SWEEP"
 
@@ -63,6 +67,33 @@ class RunRecord:
     def end(self, status: str = "completed", error: str | None = None) -> None:
         self.data.update(status=status, ended=now_iso(), error=error)
         self.save()
+
+
+class RunRecords(Hook):
+    """The run history as a hook: the record is written when the run starts (its id joins the run's tags),
+    after each stage and when the run ends."""
+
+    record: RunRecord
+
+    def before_run(self, run: Run) -> None:
+        plan = run.plan
+        self.record = RunRecord(records_root(run.store), plan.cfg.name, plan.cfg.overrides, plan.selection(),
+                                [s.name for s in plan.graph if s.reports])
+        run.tags["finetune.run_record"] = self.record.data["id"]
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        self.record.stage(outcome)
+
+    def on_error(self, run: Run, stage: str | None, error: BaseException) -> None:
+        self.record.failed(stage, error)
+
+    def after_run(self, run: Run, status: str) -> None:
+        if (moved := run.transfers()) is not None:
+            self.record.data["transfers"] = moved
+        if status == "FINISHED":
+            self.record.end()
+        else:  # failed() wrote the end; the transfers too
+            self.record.save()
 
 
 def outcome_status(o: Outcome) -> str:

@@ -9,10 +9,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 from stages.engine.fingerprint import OUTPUT_LIBRARIES
-from stages.pipeline.schema import PipelineConfig
+
+C = TypeVar("C")  # a pipeline's config, as the graph's project validates it (stages/engine/plan.py Project)
 
 JOINED = "joined"  # the reason of a joined stage's Outcome: no artifact here, the pipeline stops after it
 
@@ -43,36 +44,41 @@ def loaded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @dataclass(frozen=True)
-class Stage:
+class Stage(Generic[C]):
     """A stage: its body, the config fields it reads (dotted paths: its key covers exactly these),
     the stages it consumes, and the files it reads directly."""
 
     name: str
-    body: Callable[[StageContext], dict[str, Any] | None]
+    body: Callable[[StageContext[C]], dict[str, Any] | None]
     reads: tuple[str, ...]
     upstream: tuple[str, ...] = ()
     # a list of paths, or {name: path} to key a file by that name instead of its folder's
-    inputs: Callable[[PipelineConfig], list[Path] | dict[str, Path]] = field(default=lambda cfg: [])
+    inputs: Callable[[C], list[Path] | dict[str, Path]] = field(default=lambda cfg: [])
     # Hub repos it downloads, each pinned to the commit its revision points at: {"hub repo@rev": sha}
-    deps: Callable[[PipelineConfig], dict[str, str]] = field(default=lambda cfg: {})
+    deps: Callable[[C], dict[str, str]] = field(default=lambda cfg: {})
     libraries: tuple[str, ...] = OUTPUT_LIBRARIES
     # Runs on the whole config before the body when the stage is about to compute; it may stop the run
     # (e.g. the memory estimate) but does not change outputs, so it stays out of the key.
-    precheck: Callable[[PipelineConfig], Any] | None = None
+    precheck: Callable[[C], Any] | None = None
     # Fills config fields the pipeline left to be derived from the inputs (e.g. the data stage's label
     # names, which size the model's head) before any key is computed, so every key covers the values used.
-    resolve: Callable[[PipelineConfig], PipelineConfig] | None = None
+    resolve: Callable[[C], C] | None = None
     # Checks the config for this stage at plan time (after `resolve`), before any stage runs: raises one
     # ConfigError naming the field and the fix. Never changes the config, so it stays out of the key.
-    check: Callable[[PipelineConfig], None] | None = None
+    check: Callable[[C], None] | None = None
     # How to run without the hub, for the one line that refuses a run whose hub repo cannot be pinned.
     hub_fix: str = "use a local copy (a folder, a file or pkg:PACKAGE/PATH) or run where the hub answers"
     # Says (a line, else None) when this run only takes part in a computation another machine commits
     # (a training across machines, on machine_rank > 0): the body then runs in a scratch folder outside
     # the store - no lease, nothing committed - and the pipeline stops after it.
-    joins: Callable[[PipelineConfig], str | None] | None = None
+    joins: Callable[[C], str | None] | None = None
     # Its metrics are among a run's headline numbers (the run history, `inspect runs`).
     reports: bool = False
+    # The dotted manifest metrics (`rows.train`, `final_loss`) that `inspect status` shows beside its key.
+    headline: tuple[str, ...] = ()
+    # What reports find the stage by (the graph's project names the roles: stages/facts.py), so that no
+    # report names a stage; None: no report reads it on its own.
+    role: str | None = None
     # Files of its artifact (fnmatch patterns) that record how a computation went (timings, event files
     # named by time and pid), which no downstream stage reads: verified like the others, but out of the
     # artifact's digest, so a retrain that reproduces its weights leaves the stages after it cached.
@@ -113,11 +119,12 @@ class ConfigView:
 
 
 @dataclass
-class StageContext:
-    """What a stage body is handed. `cfg` is typed as the PipelineConfig it reads (so `ctx.cfg.train.lr`
-    is TrainConfig.lr to a reader and a type checker); at run time it is a ConfigView over it."""
+class StageContext(Generic[C]):
+    """What a stage body is handed. `cfg` is typed as the config it reads (`StageContext[PipelineConfig]`:
+    `ctx.cfg.train.lr` is TrainConfig.lr to a reader and a type checker); at run time it is a ConfigView
+    over it."""
 
-    cfg: PipelineConfig
+    cfg: C
     out_dir: Path  # everything written here becomes the artifact (committed atomically)
     work_dir: Path  # scratch that survives a crash of this key (checkpoints); deleted after commit
     upstream: dict[str, Path]
@@ -125,20 +132,20 @@ class StageContext:
     log: logging.Logger
 
 
-def stage_params(cfg: PipelineConfig, reads: tuple[str, ...]) -> dict[str, Any]:
+def stage_params(cfg: Any, reads: tuple[str, ...]) -> dict[str, Any]:
     """The values of the config fields a stage reads, as its key records them (`overrides`: those of the
     fields it reads, as ConfigView shows them)."""
     return {r: cfg.overrides_within(reads) if r == "overrides" else select(cfg, r) for r in reads}
 
 
-def select(cfg: PipelineConfig, path: str) -> Any:
+def select(cfg: Any, path: str) -> Any:
     value: Any = cfg
     for part in path.split("."):
         value = getattr(value, part)
     return value.cache_dict() if hasattr(value, "cache_dict") else value
 
 
-def code_roots(st: Stage) -> list[Any]:
+def code_roots(st: Stage[Any]) -> list[Any]:
     """Where a stage's code fingerprint starts: its body, the function that picks its input files, and
     the engine objects a body calls into (the config view it reads through, its context, Lazy)."""
     return [st.body, st.inputs, st.deps, ConfigView, StageContext, Lazy, *st.code]

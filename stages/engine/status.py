@@ -30,12 +30,7 @@ CACHED, STALE, MISSING = "cached", "stale", "missing"
 # "resumable from step N of M" without knowing the stage's checkpoint format.
 RESUME_FILE = "resume.json"
 
-# Metrics shown in the status table, by name or dotted suffix, in this order (first 4 found). exact_match before
-# the ROUGE scores: a chat run's short answers (evaluate.metrics [exact_match, rouge]) are judged by it first.
-HEADLINE = ("accuracy", "val_accuracy", "exact_match", "val_exact_match", "rouge1", "rouge2", "rougeL", "rougeLsum",
-            "loss", "val_loss", "final_loss", "steps", "rows.train", "rows.validation", "rows.test", "trainable", "percent",
-            "parameters", "footprint_bytes", "vocab_size", "train.input.mean", "files")
-MAX_HEADLINE = 4
+MAX_HEADLINE = 4  # metrics shown in the status table, the first found of the stage's `Stage.headline`
 
 
 @dataclass
@@ -128,8 +123,9 @@ def why_changed(old_inputs: dict[str, Any], sk: StageKey) -> list[str]:
 # ---------------------------------------------------------------- status
 
 
-def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
-    """A few scalar metrics worth a table column (the train stage's last validation counts too)."""
+def headline(metrics: dict[str, Any] | None, wanted: tuple[str, ...]) -> dict[str, Any]:
+    """A few scalar metrics worth a table column: the first found of `wanted` (a stage's `Stage.headline`, in
+    its order, each by name or dotted suffix); a list of records counts its last (train's validation history)."""
     if not isinstance(metrics, dict):
         return {}
     flat: dict[str, Any] = {}
@@ -144,7 +140,7 @@ def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
     scalars = {k: v for k, v in flat.items() if isinstance(v, int | float | str) and not isinstance(v, bool)}
     numbers = {k: v for k, v in scalars.items() if not isinstance(v, str)}
     out: dict[str, Any] = {}
-    for want in HEADLINE:
+    for want in wanted:
         hits = [k for k in numbers if k == want] or [k for k in numbers if k.endswith("." + want)]
         hits.sort(key=lambda k: k.startswith("baseline."))  # the tuned model's before evaluate.baseline's
         if hits and hits[0] not in out:
@@ -154,11 +150,12 @@ def headline(metrics: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _artifact_facts(store: Store, stage: str, key: str) -> dict[str, Any]:
+def _artifact_facts(store: Store, item: Planned, key: str) -> dict[str, Any]:
+    stage = item.name
     m = store.read_manifest(stage, key) or {}
     return {"path": store.location(stage, key), "artifact_key": key,
             "size_bytes": sum(f.get("size", 0) for f in m.get("files", [])),
-            "created": m.get("finished_at"), "metrics": headline(m.get("metrics"))}
+            "created": m.get("finished_at"), "metrics": headline(m.get("metrics"), item.stage.headline)}
 
 
 def _baseline(store: Store, pipeline: str, stage: str, current: str) -> str | None:
@@ -203,13 +200,13 @@ def stage_status(store: Store, pipeline: str, item: Planned, found: Lookup) -> S
         st.status = CACHED
         if found.why != CACHED:
             st.reasons = [found.why]
-        for k, v in _artifact_facts(store, sk.stage, sk.key).items():
+        for k, v in _artifact_facts(store, item, sk.key).items():
             setattr(st, k, v)
         return st
     if found.manifest is not None:  # its own artifact, made from upstream content that has since changed
         st.status = STALE
         st.reasons = [f"changed upstream content: {found.why}; the next run recomputes it under the same key"]
-        for k, v in _artifact_facts(store, sk.stage, sk.key).items():
+        for k, v in _artifact_facts(store, item, sk.key).items():
             setattr(st, k, v)
         return st
     corrupt = found.why != "not in store"
@@ -219,7 +216,7 @@ def stage_status(store: Store, pipeline: str, item: Planned, found: Lookup) -> S
         manifest = store.read_manifest(sk.stage, base) or {}
         st.status = STALE
         st.reasons = why_changed(manifest.get("key_inputs") or {}, sk)
-        for k, v in _artifact_facts(store, sk.stage, base).items():
+        for k, v in _artifact_facts(store, item, base).items():
             setattr(st, k, v)
     else:
         st.reasons = ["not in cache"]
@@ -299,7 +296,9 @@ def current_keys(store: Store, graph: Graph, pipelines_file: Path | str = DEFAUL
     out = []
     for name in pipeline_names(Path(pipelines_file)):
         try:
-            plan = graph.plan(load_pipeline(name, None, pipelines_file), store, pinned=False)
+            if graph.project is None:
+                raise ConfigError("gc: the graph has no project to load pipelines with")
+            plan = graph.plan(load_pipeline(graph.project.schema, name, None, pipelines_file), store, pinned=False)
             items = plan.items
         except FinetuneError as e:
             raise ConfigError(f"gc: cannot compute pipeline {name}'s keys ({e}); fix it first, nothing removed") \

@@ -6,7 +6,8 @@ Every MLflow call is made on a thread of its own (`Tracker`): training never wai
 Metrics are buffered and sent with `log_batch`, at most every `FLUSH_S` seconds. A server that is down, slow
 or refuses a request costs one warning line; the run goes on untracked.
 
-What a run holds (each stage as it finishes, `Execution.finished`):
+A run is tracked by a hook (`Tracking`, which stages/graph.py's project hangs on every run): started with the
+run, fed each stage as it finishes, ended with the run. What a run holds:
 - params: the resolved config, flat with dotted names (`train.lr`); tags: the `--set` list, each stage's key and
   status (computed / cached), the store, the run record, the Prefect flow run, the sweep;
 - metrics: each record of a stage's history file (`Stage.history`: train's metrics.jsonl) under the name
@@ -33,9 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError
+from stages.engine.plan import Hook
 from stages.engine.runs import SWEEP_ENV, outcome_status, read_metrics, scalars
+from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:
+    import argparse
+
+    from stages.engine.plan import Run
     from stages.engine.stage import Stage
     from stages.engine.store import Outcome
     from stages.pipeline.schema import PipelineConfig
@@ -89,6 +95,12 @@ def settings(cfg: PipelineConfig) -> Settings | None:
 def check(cfg: PipelineConfig) -> None:
     """Plan time: tracking that is on must be able to work (settings raises the one line)."""
     settings(cfg)
+
+
+def apply_option(args: argparse.Namespace) -> None:
+    """`--track`: tracking on for this process and those it starts."""
+    if getattr(args, "track", False):
+        os.environ[TRACK_ENV] = "1"
 
 
 # ------------------------------------------------------------------------------------------ what is logged
@@ -386,6 +398,27 @@ class RunTracking:
         self.tracker.tags({"finetune.cached": "false" if self.computed else "true",
                            "finetune.computed": ",".join(self.computed)})
         self.tracker.end(status)
+
+
+class Tracking(Hook):
+    """A run's MLflow run, as a hook: started with the run (when tracking is on), fed each finished stage
+    (a cached one's files downloaded first from a shared store), ended with the run's status."""
+
+    tracking: RunTracking | None = None
+
+    def before_run(self, run: Run) -> None:
+        self.tracking = RunTracking.start(run.plan.cfg, dict(run.tags))
+
+    def after_stage(self, run: Run, outcome: Outcome) -> None:
+        if self.tracking is None:
+            return
+        if not outcome.computed and outcome.reason != JOINED:  # its files are logged: here, downloaded
+            run.store.materialize(outcome.stage, outcome.key, outcome.manifest.get("digest"))
+        self.tracking.stage(run.plan.graph[outcome.stage], outcome)
+
+    def after_run(self, run: Run, status: str) -> None:
+        if self.tracking is not None:
+            self.tracking.end(status)
 
 
 # ------------------------------------------------------------------------------------------ a sweep

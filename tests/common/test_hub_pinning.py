@@ -9,11 +9,11 @@ import torch
 import transformers
 from helpers import IMDB, needs_shared_data, plan, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import UNRESOLVED
 from stages.engine.status import why_changed
 from stages.engine.store import Store
 from stages.models.model_loading import load_model
+from stages.pipeline.loading import load_pipeline
 from stages.sources.hub import revision_sha
 
 REPO = "acme/tiny-bloom"

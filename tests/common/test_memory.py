@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.models import memory, model_loading
 from stages.models.heads import HEADS
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.schema import AdaptersConfig, ModelConfig, PipelineConfig, QuantizationConfig
 from stages.training import pipeline_memory
 

@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from stages.__main__ import main as main_plain
-from stages.engine.config import load_pipeline
 from stages.models.hf import check_remote_code
+from stages.pipeline.loading import load_pipeline
 
 
 @pytest.fixture

@@ -282,10 +282,11 @@ def contains(whole: object, part: object, at: str = "") -> list[str]:
 def yaml_problems(block: Block, folder: Path, project_file: Path) -> list[str]:
     """A YAML block: an excerpt equal to the project's file, or a pipeline file whose pipelines load and plan
     and whose sweeps load (every variant validated), through the real loader, nothing trained."""
-    from stages.engine.config import load_doc, load_pipeline, load_sweep, own_names
+    from stages.engine.config import own_names
     from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_doc, load_pipeline, load_sweep
 
     doc = yaml.safe_load(block.text)
     if block.marker.excerpt is None and "pipelines" not in doc and "defaults" not in doc:
@@ -320,8 +321,8 @@ def sweep_problems(block: Block, doc: dict, project_file: Path) -> list[str]:
     """A block of sweeps alone: each validated as a sweep of pipeline.yaml (its base pipeline, and every variant's
     config loaded and checked as a run's)."""
     from flows.reports.variants import expand
-    from stages.engine.config import load_doc, validate_sweep
     from stages.engine.errors import FinetuneError
+    from stages.pipeline.loading import load_doc, validate_sweep
 
     project = load_doc(project_file)
     out = []

@@ -7,8 +7,9 @@ import shutil
 import helpers
 from helpers import computed, needs_shared_data, plan
 
-from stages.engine.config import load_pipeline, store_root
+from stages.engine.config import store_root
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data

@@ -27,12 +27,12 @@ from helpers import BILLSUM, IMDB, ROOT, needs_shared_data, plan, run_pipeline
 
 from stages.engine import store as store_module
 from stages.engine.codegraph import CodeGraph
-from stages.engine.config import load_pipeline
 from stages.engine.fingerprint import code_fingerprint
 from stages.engine.stage import code_roots
 from stages.engine.status import why_changed
 from stages.engine.store import Store
 from stages.graph import GRAPH, graph_for
+from stages.pipeline.loading import load_pipeline
 
 PROJECT_DIRS = tuple(str(ROOT / p) + "/" for p in ("stages", "flows"))
 T5_4BIT = ("quantization.mode=4bit", "model.from_config.d_model=64", "model.from_config.d_kv=16",

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from stages.__main__ import main as main_plain
-from stages.engine.config import load_pipeline, load_sweep, own_names, pipeline_names, sweep_names
+from stages.engine.config import own_names, pipeline_names, sweep_names
 from stages.engine.errors import ConfigError
+from stages.pipeline.loading import load_pipeline, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -101,8 +101,8 @@ def test_build_output_beside_sources_is_in_no_key(tmp_path):
 def test_code_fingerprints_are_remembered_per_machine_not_per_store(tmp_path, monkeypatch):
     """A worker on a fresh cache or a new store does not walk the code again: the fingerprints live in
     ~/.cache/finetune-code, keyed by the checkout's source files; an unwritable home keeps them in memory."""
-    from stages.engine.config import load_pipeline
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     walks: list[int] = []
     real = fingerprint.code_fingerprint

@@ -13,10 +13,10 @@ from helpers import as_graph, plan, run_pipeline
 
 from flows.reports.config_diff import diff
 from flows.reports.run_summary import stage_rows
-from stages.engine.config import load_pipeline
 from stages.engine.stage import Stage
 from stages.engine.status import CACHED, gc, lookups, pipeline_status
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 
 NOISE = "HIT_RULE_NOISE"  # read by the bodies, in no key: a stage whose output is not a function of its key
 

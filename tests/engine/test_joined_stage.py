@@ -8,9 +8,9 @@ import threading
 
 from helpers import plan, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.stage import JOINED, Stage
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 
 RAN: list[str] = []
 

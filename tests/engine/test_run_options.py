@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 
 
 @pytest.mark.parametrize("option,kw", [("--until", {"until": "trian"}), ("--only", {"only": "trian"}),

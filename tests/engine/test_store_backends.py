@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import computed, needs_shared_data, run, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.remote_store import RemoteStore, open_store
 from stages.engine.runs import read_runs, records_root
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 
 pytestmark = needs_shared_data
 SMALL = ("data.subset={train: 40, validation: 8, test: 8}",)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from helpers import as_graph, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.stage import Stage
 from stages.engine.status import find_garbage, remove_garbage
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 
 
 class DictBackend:

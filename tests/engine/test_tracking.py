@@ -21,10 +21,10 @@ from helpers import IMDB, computed, needs_shared_data, spawn
 from mlflowserver import mlflow_server
 
 from stages.__main__ import main as stages_main
-from stages.engine.config import load_pipeline
 from stages.engine.runner import execute
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.tracking import TRACK_ENV, Settings, Tracker
 
 SETS = (*IMDB, "train.max_steps=6", "train.eval_every=2")

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from flows.reports.config_diff import _changed, _sections, render_diff
-from stages.engine.config import load_pipeline
+from stages.pipeline.loading import load_pipeline
 
 
 def test_a_null_field_against_a_mapping_is_one_row_with_both_values():

@@ -13,7 +13,7 @@ import pytest
 from helpers import computed, needs_shared_data
 
 from flows.reports import run_summary as summary
-from stages.engine.config import load_pipeline
+from stages.pipeline.loading import load_pipeline
 
 pytestmark = needs_shared_data
 # LoRA r=16 on 6 Linear layers x 6 blocks of all-MiniLM-L6-v2 (hidden 384, intermediate 1536): 4 of 384 x 384,

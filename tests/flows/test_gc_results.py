@@ -19,12 +19,12 @@ from helpers import needs_shared_data, run_pipeline
 
 from flows.inspect import main
 from flows.reports.variants import adhoc_sweep, save_definition
-from stages.engine.config import load_pipeline
 from stages.engine.runs import SWEEP_ENV
 from stages.engine.status import CACHED, lookups
 from stages.engine.store import Store
 from stages.engine.units import human_bytes
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 
 pytestmark = needs_shared_data
 

@@ -13,10 +13,10 @@ from helpers import ROOT, needs_shared_data, plan, run_pipeline, subprocess_env
 
 from flows.inspect import main
 from stages.engine import runner
-from stages.engine.config import load_pipeline
 from stages.engine.status import pipeline_status
 from stages.engine.store import Store
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 
 pytestmark = needs_shared_data
 

@@ -237,11 +237,11 @@ def test_artifact_builders(tmp_path):
                 "duration_s": 1.5, "finished_at": "2026-01-01T00:00:00+00:00",
                 "metrics": {"steps": 100, "final_loss": 0.01, "validation": [recs[-1]]}}
     o = Outcome("train", "a" * 64, folder, True, "computed", manifest)
-    md = train_loss_markdown(o, max_rows=20)
+    md = train_loss_markdown(o, "metrics.jsonl", max_rows=20)
     table = [ln for ln in md.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert 20 <= len(table) <= 21 and table[-1] == "| 100 | 0.01 | 0.02 | 0.9 |"
     assert "final_loss = 0.01" in md and "data:image" not in md  # no loss.png: no image
-    assert train_loss_markdown(Outcome("train", "b", tmp_path, False, "cached", {})) is None
+    assert train_loss_markdown(Outcome("train", "b", tmp_path, False, "cached", {}), "metrics.jsonl") is None
 
     rows = manifest_rows(o)
     assert {"field": "size_bytes", "value": 15} in rows and {"field": "final_loss", "value": 0.01} in rows

@@ -29,9 +29,9 @@ from flows.reports import comparison as compare
 from flows.reports.config_diff import diff, render_diff
 from flows.reports.variants import adhoc_sweep, named_sweep, parse_grid
 from flows.sweep import main as sweep_main
-from stages.engine.config import load_pipeline, load_sweep
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline, load_sweep
 from stages.pipeline.tracking import TRACK_ENV
 
 EXTRA = """

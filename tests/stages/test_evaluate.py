@@ -303,8 +303,8 @@ def test_metrics_by_name_or_path_offline(tmp_path, monkeypatch):
     task's predictions is refused when the pipeline is planned."""
     from helpers import plan
 
-    from stages.engine.config import load_pipeline
     from stages.engine.errors import ConfigError, HubUnreachableError, MissingInputError
+    from stages.pipeline.loading import load_pipeline
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     module = tmp_path / "exact_match"

@@ -13,11 +13,11 @@ import torch
 import yaml
 from helpers import BILLSUM, IMDB, needs_shared_data, plan
 
-from stages.engine.config import load_pipeline
 from stages.evaluate import load_evaluated
 from stages.methods import method_of
 from stages.models.compat.bitsandbytes import exact_cpu_kernels
 from stages.models.model_loading import load_model
+from stages.pipeline.loading import load_pipeline
 
 pytestmark = needs_shared_data
 

@@ -18,12 +18,12 @@ from test_chat_export import SMOLLM2, TINY_LLAMA, run, write_pipeline
 
 from flows.predict import main as predict_main
 from stages.__main__ import main as stages_main
-from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
 from stages.formats import gguf_export
 from stages.graph import GRAPH, check_formats
+from stages.pipeline.loading import load_pipeline
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
 

