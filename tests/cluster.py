@@ -116,24 +116,27 @@ def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str], api: str | None = None) -> Iterator[dict[str, str]]:
+def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str], api: str | None = None,
+                 pool: str = POOL) -> Iterator[dict[str, str]]:
     """The Prefect server (started here, or the running one at `api`), the pool and the deployments of
     `pipelines`; yields env + PREFECT_API_URL."""
     with contextlib.nullcontext(api) if api else server(env, tmp) as api:
         env = {**env, "PREFECT_API_URL": api}
-        run([PREFECT, "work-pool", "create", POOL, "--type", "process"], env)
-        run(deploy_command(pipelines), env)
+        run([PREFECT, "work-pool", "create", pool, "--type", "process"], env)
+        run(deploy_command(pipelines, pool), env)
         yield env
 
 
 @contextlib.contextmanager
-def machines(env: dict[str, str], tmp: Path, *names: str, **extra: str) -> Iterator[dict[str, subprocess.Popen]]:
-    """One worker per name, each a machine: its own local cache (artifact copies, checkpoints) and folder."""
+def machines(env: dict[str, str], tmp: Path, *names: str, pool: str = POOL,
+             **extra: str) -> Iterator[dict[str, subprocess.Popen]]:
+    """One worker per name on `pool`, each a machine: its own local cache (artifact copies, checkpoints) and
+    folder; `extra` added to their environment."""
     workers = {}
     try:
         for name in names:
             (tmp / name).mkdir(parents=True)
-            workers[name] = start([PREFECT, "worker", "start", "--pool", POOL, "--limit", "1", "--name", name],
+            workers[name] = start([PREFECT, "worker", "start", "--pool", pool, "--limit", "1", "--name", name],
                                   {**env, "FINETUNE_CACHE": str(tmp / name / "cache"), **extra}, tmp / name,
                                   tmp / name / "worker.log")
         yield workers

@@ -29,9 +29,10 @@ def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] 
                           text=True, timeout=timeout)
 
 
-def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None) -> str:
-    """The bench's --smoke run on a fresh store (or `store`): its stdout, after checking it ended well."""
-    p = bench(name, "--smoke", *args, store=store or tmp_path / "store")
+def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """The bench's --smoke run on a fresh store (or `store`), `env` added to its environment: its stdout, after
+    checking it ended well."""
+    p = bench(name, "--smoke", *args, store=store or tmp_path / "store", env=env)
     assert p.returncode == 0, f"{name} --smoke: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     return p.stdout
