@@ -8,8 +8,11 @@ their own local caches; moto's S3 server on 127.0.0.1 as the shared store), in o
                       and what the cached rerun's runs moved to and from S3 (their run records' `transfers`:
                       GET/PUT requests and bytes; lazy fetch: manifests only)
 
-    .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N] [--train-rows N]
+    .venv/bin/python bench/scale_out.py [--work DIR] [--repeat N] [--train-rows N] [--api URL]
     .venv/bin/python bench/scale_out.py --smoke     # --repeat 1 --train-rows 8, 1 variant (a Prefect server, moto, workers)
+
+--smoke fills the stores the cached reruns read with its two timed sweeps (1 worker: s3; 2 workers: local)
+instead of a third, untimed one.
 
 Each kind of timing is taken --repeat times (default 3), interleaved (1 worker, 2 workers, 1, 2, ...; then
 cached s3, cached local, ...); the table gives the medians, each timing beside them.
@@ -46,6 +49,8 @@ def cli() -> argparse.ArgumentParser:
                    "gives their medians")
     p.add_argument("--train-rows", type=int, default=TRAIN_ROWS, help=f"training rows per variant (default "
                    f"{TRAIN_ROWS}, the issue's sweep); more rows give each run more work beside the same overheads")
+    p.add_argument("--api", help="the API URL of a running Prefect server to use (a pool of its own on it) instead "
+                   "of starting one (the test suite's)")
     return p
 
 
@@ -60,6 +65,7 @@ from s3server import moto_server, s3_env  # noqa: E402
 from flows.reports.formatting import markdown_table  # noqa: E402
 from stages.engine.units import human_bytes  # noqa: E402
 
+POOL = f"scale-out-{uuid.uuid4().hex[:6]}"  # a pool of its own, also on a server other runs use (--api)
 LRS = ("1e-3", "7e-4", "5e-4", "3e-4")  # the sweep's variants; --smoke takes the first (the paths, not the spread: tests/flows/test_two_machines.py)
 
 
@@ -124,7 +130,7 @@ def sweep(env: dict[str, str], tmp: Path, store: str, workers: list[str], train_
     """Wall time of the sweep with these workers on this store (a fresh machine folder each), the load
     average at its end, the folder of its machines and the CPU seconds per role (workers started to end)."""
     folder = tmp / f"{uuid.uuid4().hex[:6]}"
-    with CpuMeter() as cpu, machines({**env, "FINETUNE_STORE": store}, folder, *workers):
+    with CpuMeter() as cpu, machines({**env, "FINETUNE_STORE": store}, folder, *workers, pool=POOL):
         t0 = time.perf_counter()
         run([sys.executable, *sweep_command(train_rows, lrs)], {**env, "FINETUNE_STORE": store, "FINETUNE_CACHE": str(folder / "o")},
             timeout=1800)
@@ -170,11 +176,15 @@ def main() -> int:
 
         s3fs.S3FileSystem().mkdir("bench")
         s3, local = f"s3://bench/{uuid.uuid4().hex[:8]}", str(tmp / "local-store")
-        with orchestrator(base_env(tmp, s3), tmp, ["tiny-imdb"]) as env:
-            for i in range(args.repeat):  # each on a fresh store; the last 2-worker one fills `s3`
+        with orchestrator(base_env(tmp, s3), tmp, ["tiny-imdb"], api=args.api, pool=POOL) as env:
+            if args.smoke:  # each on a fresh store, which the cached reruns then read: one sweep less to run
+                timed("one", env, s3, ["a"])
+                timed("two", env, local, ["a", "b"])
+            for i in range(0 if args.smoke else args.repeat):  # each on a fresh store; the last 2-worker one fills `s3`
                 timed("one", env, f"s3://bench/{uuid.uuid4().hex[:8]}", ["a"])
                 timed("two", env, s3 if i == args.repeat - 1 else f"s3://bench/{uuid.uuid4().hex[:8]}", ["a", "b"])
-            sweep(env, tmp, local, ["a", "b"], args.train_rows, lrs)  # fill the local store
+            if not args.smoke:
+                sweep(env, tmp, local, ["a", "b"], args.train_rows, lrs)  # fill the local store
             for _ in range(args.repeat):
                 folder = timed("cached_s3", env, s3, ["a", "b"])
                 timed("cached_local", env, local, ["a", "b"])

@@ -6,8 +6,11 @@ in a session of its own and stopped by its PID (its process group: the flow runs
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -20,6 +23,10 @@ from s3server import free_port
 ROOT = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 POOL = "two-machines"
+# A migrated Prefect database for the servers started here (tests/conftest.py names it for the test session): a
+# server on a fresh PREFECT_HOME spends ~11 of its ~17 CPU seconds migrating an empty database, so the first
+# server to ask migrates this one (`prefect server database upgrade`, under a lock) and each gets a copy.
+PREFECT_DB = "FINETUNE_TEST_PREFECT_DB"
 
 
 def deploy_command(pipelines: list[str], pool: str = POOL) -> list[str]:
@@ -69,10 +76,33 @@ def base_env(tmp: Path, store: str) -> dict[str, str]:
             "PREFECT_WORKER_PREFETCH_SECONDS": "1", "OMP_NUM_THREADS": "1", "FINETUNE_STORE": store}
 
 
+def migrated_database(home: Path, env: dict[str, str]) -> None:
+    """Put a copy of env's FINETUNE_TEST_PREFECT_DB (migrated on first use) in `home` when it has no database yet;
+    without that setting (a bench run by hand) the server migrates its own, as Prefect does."""
+    if not (template := env.get(PREFECT_DB)) or (home / "prefect.db").exists():
+        return
+    template_db = Path(template)
+    template_db.parent.mkdir(parents=True, exist_ok=True)
+    with open(template_db.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other xdist worker waits for the one migrating
+        if not template_db.exists():
+            building = template_db.parent / "building"
+            shutil.rmtree(building, ignore_errors=True)
+            run([PREFECT, "server", "database", "upgrade", "-y"],
+                {**{k: v for k, v in env.items() if not k.startswith("PREFECT_API_")}, "PREFECT_HOME": str(building)})
+            (building / "prefect.db").rename(template_db)  # whole or absent: a crash mid-migration leaves none
+    home.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(template_db) as src, sqlite3.connect(home / "prefect.db") as dst:
+        src.backup(dst)  # a consistent copy whatever journal mode the migration left
+
+
 @contextlib.contextmanager
 def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
-    """`prefect server start` on a free loopback port (its database in env's PREFECT_HOME), its log in
-    tmp/server.log; yields its API URL once /health answers, stops it (by its process group) on exit."""
+    """`prefect server start` on a free loopback port (its database in env's PREFECT_HOME, a copy of the session's
+    migrated one where tests/conftest.py names it), its log in tmp/server.log; yields its API URL once /health
+    answers, stops it (by its process group) on exit."""
+    if home := env.get("PREFECT_HOME"):
+        migrated_database(Path(home), env)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     proc = start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -86,24 +116,27 @@ def server(env: dict[str, str], tmp: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str], api: str | None = None) -> Iterator[dict[str, str]]:
+def orchestrator(env: dict[str, str], tmp: Path, pipelines: list[str], api: str | None = None,
+                 pool: str = POOL) -> Iterator[dict[str, str]]:
     """The Prefect server (started here, or the running one at `api`), the pool and the deployments of
     `pipelines`; yields env + PREFECT_API_URL."""
     with contextlib.nullcontext(api) if api else server(env, tmp) as api:
         env = {**env, "PREFECT_API_URL": api}
-        run([PREFECT, "work-pool", "create", POOL, "--type", "process"], env)
-        run(deploy_command(pipelines), env)
+        run([PREFECT, "work-pool", "create", pool, "--type", "process"], env)
+        run(deploy_command(pipelines, pool), env)
         yield env
 
 
 @contextlib.contextmanager
-def machines(env: dict[str, str], tmp: Path, *names: str, **extra: str) -> Iterator[dict[str, subprocess.Popen]]:
-    """One worker per name, each a machine: its own local cache (artifact copies, checkpoints) and folder."""
+def machines(env: dict[str, str], tmp: Path, *names: str, pool: str = POOL,
+             **extra: str) -> Iterator[dict[str, subprocess.Popen]]:
+    """One worker per name on `pool`, each a machine: its own local cache (artifact copies, checkpoints) and
+    folder; `extra` added to their environment."""
     workers = {}
     try:
         for name in names:
             (tmp / name).mkdir(parents=True)
-            workers[name] = start([PREFECT, "worker", "start", "--pool", POOL, "--limit", "1", "--name", name],
+            workers[name] = start([PREFECT, "worker", "start", "--pool", pool, "--limit", "1", "--name", name],
                                   {**env, "FINETUNE_CACHE": str(tmp / name / "cache"), **extra}, tmp / name,
                                   tmp / name / "worker.log")
         yield workers

@@ -25,6 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # tolerances are fp32's); tests of the detection inject capabilities (tests/stages/test_train.py).
 os.environ.setdefault("FINETUNE_CPU_BF16_UNITS", "")
 
+from cluster import PREFECT_DB  # noqa: E402
 from crashsafe_scheduling import pytest_xdist_make_scheduler  # noqa: E402, F401  (a dead worker never hangs the run)
 from helpers import SHARED_DATA, SHARED_FILES  # noqa: E402  (after the offline settings: helpers imports the stages)
 
@@ -40,13 +41,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
     One FINETUNE_CACHE for the session (made here, in the process that starts the xdist workers, which inherit
     it): SmolLM2's GGUF is converted once for all tests (stages/models/gguf.py), never read from the user's
-    ~/.cache; a test about that cache sets its own."""
+    ~/.cache; a test about that cache sets its own. The Prefect servers tests/cluster.py starts (the worker's
+    below, the bench's) copy one migrated database from there; a test about a fresh home starts its own."""
     missing = [f for f in SHARED_FILES if not (SHARED_DATA / f).exists()]
     if os.environ.get("CI", "").lower() in ("true", "1") and missing:
         raise pytest.UsageError(f"CI=true and the real data mirror lacks {SHARED_DATA}/{missing[0]}: put ../shared "
                                 "beside the checkout (the tests that read it would otherwise be skipped)")
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         config.stash[_SESSION_CACHE] = os.environ["FINETUNE_CACHE"] = tempfile.mkdtemp(prefix="finetune-tests-cache-")
+        # the migrated Prefect database the servers of tests/cluster.py copy (made by the first that asks)
+        os.environ[PREFECT_DB] = os.path.join(os.environ["FINETUNE_CACHE"], "prefect-template", "prefect.db")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

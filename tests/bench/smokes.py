@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import ROOT
 
@@ -25,13 +27,27 @@ def bench(name: str, *args: str, store: Path | None = None, env: dict[str, str] 
           timeout: int = 540) -> subprocess.CompletedProcess:
     full = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             **({"FINETUNE_STORE": str(store)} if store else {}), **(env or {})}
-    return subprocess.run([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=full, capture_output=True,
-                          text=True, timeout=timeout)
+    with subprocess.Popen([sys.executable, str(BENCH / name), *args], cwd=ROOT, env=full, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # the servers and workers a bench starts in sessions of their own would outlive it, burning CPU
+            # through the rest of the suite
+            tree = psutil.Process(proc.pid)
+            victims = [*tree.children(recursive=True), tree]
+            for p in victims:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(victims, timeout=30)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None) -> str:
-    """The bench's --smoke run on a fresh store (or `store`): its stdout, after checking it ended well."""
-    p = bench(name, "--smoke", *args, store=store or tmp_path / "store")
+def smoke(name: str, tmp_path: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None) -> str:
+    """The bench's --smoke run on a fresh store (or `store`), `env` added to its environment: its stdout, after
+    checking it ended well."""
+    p = bench(name, "--smoke", *args, store=store or tmp_path / "store", env=env)
     assert p.returncode == 0, f"{name} --smoke: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     return p.stdout

@@ -31,16 +31,17 @@ def test_gguf_load_smoke(tmp_path):  # ~30 CPU-s: transformers reads a 49k-token
 @needs_shared_data
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_reproduce_accumulation_smoke(tmp_path):  # a Prefect sweep of three child runs
-    t = table(smoke("reproduce_accumulation.py", tmp_path), "")
+def test_reproduce_accumulation_smoke(tmp_path, prefect_server):  # a Prefect sweep of three child runs
+    # on the worker's Prefect server: no temporary server started for it (~7 CPU-s; the flows' own tests have those)
+    t = table(smoke("reproduce_accumulation.py", tmp_path, env={"PREFECT_API_URL": prefect_server}), "")
     assert len(t[1]) == 3
 
 
 @needs_shared_data
 @pytest.mark.slow
 @pytest.mark.cluster
-def test_scale_out_smoke(tmp_path):  # a Prefect server, moto's S3 server and two workers
-    out = smoke("scale_out.py", tmp_path, "--work", str(tmp_path / "work"))
+def test_scale_out_smoke(tmp_path, prefect_server):  # moto's S3 server and two workers, on the worker's Prefect server
+    out = smoke("scale_out.py", tmp_path, "--work", str(tmp_path / "work"), "--api", prefect_server)
     assert len(table(out, "")[1]) >= 2
     assert len(table(out, "CPU seconds (median)")[1]) == 4
 
