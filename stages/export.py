@@ -294,6 +294,21 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
 # ---------------------------------------------------------------- the stage
 
 
+def write_formats(job: ExportJob) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each format export.formats lists written (hf first: the others are written from the folder it writes), and
+    checked: (facts for the manifest, the top's at the top and each other's under its name; {folder: card line})."""
+    facts: dict[str, Any] = {}
+    extra: dict[str, str] = {}
+    for export_format in listed_formats(job.cfg):
+        written = export_format.write(job)
+        if export_format.folder:
+            facts[export_format.name] = written
+        else:
+            facts.update(written)
+        extra.update(export_format.card_lines(job, written))
+    return facts, extra
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     import yaml
 
@@ -303,19 +318,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     revision = pinned_revision(ctx) if hub_base(cfg.model) else None
     tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, task)
     gen = generation_config(ctx.upstream["model"], cfg.evaluate, tok, task)
-    extra: dict[str, str] = {}
     facts: dict[str, Any] = {"method": cfg.adapters.method, "layout": fmt, "base_revision": revision}
     chat = chat_facts(ctx.upstream_manifests["tokenize"], tok, out)
     if chat:
         facts["chat"] = chat
-    job = ExportJob(cfg, out, fmt, ctx.upstream, revision, tok, gen, ctx.log)
-    for export_format in listed_formats(cfg):  # hf first: the others are written from the folder it writes
-        written = export_format.write(job)
-        if export_format.folder:
-            facts[export_format.name] = written
-        else:
-            facts.update(written)
-        extra.update(export_format.card_lines(job, written))
+    written, extra = write_formats(ExportJob(cfg, out, fmt, ctx.upstream, revision, tok, gen, ctx.log))
+    facts.update(written)
 
     sections = config_sections(cfg)
     keys = lineage(ctx)
