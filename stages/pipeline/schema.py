@@ -17,6 +17,8 @@ from stages.pipeline.sweep_schema import SweepConfig  # noqa: F401  (one entry o
 
 MAX_EPOCHS = 10_000  # passes over the train split (train.epochs)
 MAX_MICRO_BATCH = 65_536  # rows in one forward pass (train.micro_batch_size)
+SOURCE_NAMES = OneOf("stages.sources", "SOURCES")  # data.source: a module of stages/sources each
+FORMAT_NAMES = OneOf("stages.formats", "FORMATS")  # export.formats: a module of stages/formats each
 SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
 
 
@@ -104,7 +106,7 @@ class SplitConfig(Section):
 
 
 class DataConfig(Section):
-    source: Annotated[str, AfterValidator(OneOf("stages.sources", "SOURCES"))] = Field(
+    source: Annotated[str, AfterValidator(SOURCE_NAMES)] = Field(
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
         "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
         "file(s) at `path`.")
@@ -173,7 +175,7 @@ class DataConfig(Section):
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
 
     @model_validator(mode="after")
-    def _local_needs_path(self) -> DataConfig:
+    def _path_when_read(self) -> DataConfig:
         if self.source == "local" and not self.path:
             raise ValueError("source 'local' needs data.path (a CSV/TSV/JSONL/JSON/Parquet file or folder)")
         if self.subset and any(v < 1 for v in self.subset.values()):
@@ -434,7 +436,7 @@ class ExportConfig(Section):
                         "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
-    formats: list[Annotated[str, AfterValidator(OneOf("stages.formats", "FORMATS"))]] = Field(
+    formats: list[Annotated[str, AfterValidator(FORMAT_NAMES)]] = Field(
         ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
         "`layout` says what is at its top), its tokenizer and card. onnx (seq_cls, seq2seq; pip install "
         "'.[onnx]'): onnx/model.onnx (seq2seq: encoder.onnx and decoder.onnx) beside it, checked in onnxruntime "
@@ -489,7 +491,9 @@ class TrackingConfig(Section):
 
 # the config sections the export stage's model card prints; stages/graph.py declares them (with name,
 # description) as export's reads
-CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
+CARD_SOURCE_NAMES = OneOf("stages.sources", "SOURCES")  # data.source: a module of stages/sources each
+FORMAT_NAMES = OneOf("stages.formats", "FORMATS")  # export.formats: a module of stages/formats each
+SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
 
 class PipelineConfig(BaseModel):

@@ -14,4 +14,4 @@ SOURCES: dict[str, Source] = {s.name: s for s in (imdb.SOURCE, billsum.SOURCE, l
 
 def source_of(d: Any) -> Source:
     """The source the data stage reads for data section `d`: a data.path set is read whatever data.source says."""
-    return SOURCES[local.SOURCE.name] if d.path else SOURCES[d.source]
+    return local.SOURCE if d.path else SOURCES[d.source]
