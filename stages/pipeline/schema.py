@@ -175,7 +175,7 @@ class DataConfig(Section):
         None, description="keep only the first N rows of a split after splitting (small CPU runs)")
 
     @model_validator(mode="after")
-    def _path_when_read(self) -> DataConfig:
+    def _local_needs_path(self) -> DataConfig:
         if self.source == "local" and not self.path:
             raise ValueError("source 'local' needs data.path (a CSV/TSV/JSONL/JSON/Parquet file or folder)")
         if self.subset and any(v < 1 for v in self.subset.values()):
@@ -491,9 +491,7 @@ class TrackingConfig(Section):
 
 # the config sections the export stage's model card prints; stages/graph.py declares them (with name,
 # description) as export's reads
-CARD_SOURCE_NAMES = OneOf("stages.sources", "SOURCES")  # data.source: a module of stages/sources each
-FORMAT_NAMES = OneOf("stages.formats", "FORMATS")  # export.formats: a module of stages/formats each
-SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
+CARD_SECTIONS = ("data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export")
 
 
 class PipelineConfig(BaseModel):
