@@ -1,5 +1,5 @@
-"""export.formats hf (always listed): the Hugging Face folder at the top of the export. export.layout (stages/
-formats/export_layout.py) says what sits there: a full finetune's model; the LoRA merged into the base
+"""export.formats hf (always listed): the Hugging Face folder at the top of the export. export.layout
+(stages/formats/export_layout.py) says what sits there: a full finetune's model; the LoRA merged into the base
 (dequantized when 4/8-bit, in export.merged_dtype), the adapter alone in adapter/ beside it; or the PEFT adapter
 at the top (its base named by hub id and pinned commit), merged/ beside it with export.merge. The tokenizer,
 generation config and card are the export stage's (stages/export.py), written for every format.
