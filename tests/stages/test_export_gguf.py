@@ -22,8 +22,8 @@ from stages.engine.config import load_pipeline
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
-from stages.formats import gguf_export
-from stages.graph import GRAPH, check_formats
+from stages.formats import check_formats, gguf_export
+from stages.graph import GRAPH
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
 
