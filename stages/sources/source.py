@@ -113,18 +113,22 @@ class HubSource(Source):
         """The hub's splits in the order the mirror's files hold the rows."""
         return frames
 
+    def hub_dataset(self, d: Any) -> str:
+        """The hub dataset it reads: data.hub_id, else its own."""
+        return str(d.hub_id or self.hub_id or self.name)
+
     def files(self, d: Any) -> list[Path] | dict[str, Path]:
         return self.mirror_files(d)
 
     def deps(self, d: Any) -> dict[str, str]:
         if self.mirror_files(d):
             return {}
-        return hub_identity(d.hub_id or self.hub_id, d.hub_revision, "dataset")
+        return hub_identity(self.hub_dataset(d), d.hub_revision, "dataset")
 
     def read(self, d: Any) -> tuple[Frames, str]:
         if files := self.mirror_files(d):
             return self.read_mirror(files), f"mirror:{files[0].parent}"
-        hub_id = d.hub_id or self.hub_id
+        hub_id = self.hub_dataset(d)
         return self.read_hub(d, hub_id), f"hub:{hub_id}"
 
     def read_hub(self, d: Any, hub_id: str) -> Frames:
