@@ -96,10 +96,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from stages.data import mirror_root  # noqa: E402
 from stages.models.hf import split_gguf  # noqa: E402
 from stages.models.precision import CPU_BF16_UNITS, auto_precision, cpu_bf16_units  # noqa: E402
 from stages.pipeline.schema import DataConfig, TrainConfig  # noqa: E402
+from stages.sources.source import mirror_root  # noqa: E402
 from stages.training.device import autocast as stage_autocast  # noqa: E402
 from stages.training.device import training_device  # noqa: E402
 

@@ -1,8 +1,8 @@
-"""Data stage: read IMDB / billsum / local files, split, validate, write one Arrow file per split.
+"""Data stage: read the source's splits, split, validate, write one Arrow file per split.
 
-Sources are tried in this order: a local `data.path`; the offline mirror ($FINETUNE_DATA_MIRROR or
-`data.mirror`, laid out like ../shared/data: imdb/{train,test}.csv.gz, billsum/*.jsonl); the hub.
-The IMDB `shuffle_concat` split is the BLOOM article's: the 50k rows in aclImdb order (test/pos,
+The source (`data.source`, one module of stages/sources each; a `data.path` set: the local files there) says
+which files and hub dataset go into the key, reads its splits (the offline mirror's copy before the hub) and
+what is known of them before the stage runs; nothing here branches on its name. The IMDB `shuffle_concat` split is the BLOOM article's: the 50k rows in aclImdb order (test/pos,
 test/neg, train/pos, train/neg, sorted file names), `sample(frac=1, random_state=seed)`, then
 train / validation / test cut by counts.
 
@@ -15,154 +15,39 @@ The manifest records the names.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.config import inherited_from
 from stages.engine.errors import ConfigError, DataError, MissingInputError
-from stages.engine.paths import PROJECT_ROOT, why_missing, work_root
 from stages.engine.stage import StageContext
 from stages.methods import data_of
 from stages.pipeline.schema import DataConfig, PipelineConfig
-from stages.sources.hub import ensure_hub_reachable, hub_identity
-from stages.sources.tables import (
-    SUFFIXES,
-    LabelColumn,
-    columns,
-    each_row,
-    header,
-    label_column,
-    places,
-    read_table,
-)
+from stages.sources import SOURCES, source_of
+from stages.sources.tables import each_row, places, read_table
 from stages.text import conversations as chats
 
 if TYPE_CHECKING:  # pandas, pyarrow: imported where a body reads data, so planning a cached run imports neither
     import pandas as pd
 
-HUB_IDS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
-HUB_SPLITS = {"imdb": ("train", "test"), "billsum": ("train", "test")}  # of those `_read_hub` keeps
-HUB_COLUMNS = {"imdb": ("text", "label"), "billsum": ("text", "summary", "title")}  # what `_read_hub` reads
-DEFAULT_TARGET = {"billsum": "summary"}
-TABULAR = SUFFIXES
-IMDB_LABEL_NAMES = ["neg", "pos"]  # aclImdb's folder names: label 0 is neg, 1 is pos
 
-
-# ------------------------------------------------------------------ where the data comes from
-
-
-def mirror_root(data_cfg: DataConfig) -> Path | None:
-    raw = os.environ.get("FINETUNE_DATA_MIRROR") or data_cfg.mirror
-    if not raw:
-        return None
-    path = Path(raw).expanduser()
-    if not path.is_absolute():
-        path = work_root() / path
-    return path if path.is_dir() else None
-
-
-def local_path(raw: str | None) -> Path:
-    if not raw:
-        raise ConfigError("data.path: not set; give the local CSV/TSV/JSONL/JSON/Parquet file or folder to read")
-    for base in (Path.cwd(), PROJECT_ROOT):
-        p = (base / raw).expanduser() if not Path(raw).is_absolute() else Path(raw)
-        if p.exists():
-            return p
-    raise MissingInputError(f"data.path {raw}: {why_missing(Path(raw).expanduser())}; give an existing "
-                            f"CSV/TSV/JSONL/JSON/Parquet file, a folder of split files, or an aclImdb folder/tarball")
-
-
-def mirror_files(data_cfg: DataConfig) -> list[Path]:
-    root = mirror_root(data_cfg)
-    if root is None:
-        return []
-    if data_cfg.source == "imdb":
-        files = [root / "imdb" / "test.csv.gz", root / "imdb" / "train.csv.gz"]
-        return files if all(f.is_file() for f in files) else []
-    if data_cfg.source == "billsum":
-        return sorted((root / "billsum").glob("*.jsonl"))
-    return []
+# ------------------------------------------------------------------ where the data comes from: its source
 
 
 def source_files(cfg: PipelineConfig) -> list[Path] | dict[str, Path]:
-    """The files the data stage will read (their content goes into its key). A local data.path is keyed by
-    its file's name (a folder: its files' names inside it), not where it lies: moved, it hits the cache."""
-    if cfg.data.source == "local" or cfg.data.path:
-        path = local_path(cfg.data.path)
-        return {"data.path" if path.is_dir() else f"data.path {path.name}": path}
-    return mirror_files(cfg.data)
+    """The files the data stage will read (their content goes into its key)."""
+    return source_of(cfg.data).files(cfg.data)
 
 
 def source_deps(cfg: PipelineConfig) -> dict[str, str]:
     """The hub dataset the data stage will download, pinned to its commit, when no local file or mirror
     serves the data."""
-    if cfg.data.source == "local" or cfg.data.path or mirror_files(cfg.data):
-        return {}
-    return hub_identity(cfg.data.hub_id or HUB_IDS[cfg.data.source], cfg.data.hub_revision, "dataset")
-
-
-def _split_of(name: str) -> str | None:
-    low = name.lower()
-    for split, words in (("validation", ("validation", "valid", "val", "dev")), ("test", ("test",)),
-                         ("train", ("train",))):
-        if any(w in low.replace("-", "_").split("_") or low.startswith(w) for w in words):
-            return split
-    return None
-
-
-def _read_local(path: Path) -> dict[str, pd.DataFrame]:
-    import pandas as pd
-
-    from stages.sources import aclimdb
-
-    if path.is_dir() and (path / "train" / "pos").is_dir():
-        return aclimdb.read_folder(path)
-    if path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
-        return aclimdb.read_tarball(path)
-    if path.is_file():
-        return {"train": read_table(path)}
-    frames: dict[str, list[pd.DataFrame]] = {}
-    for f in sorted(path.iterdir()):
-        if f.name.lower().endswith(TABULAR) and (split := _split_of(f.name)):
-            frames.setdefault(split, []).append(read_table(f))
-    if not frames:
-        raise MissingInputError(f"{path}: no train*/test*/validation* .csv/.tsv/.jsonl/.json/.parquet files in this folder")
-    return {s: pd.concat(fs, ignore_index=True) for s, fs in frames.items()}
-
-
-def _read_hub(cfg: PipelineConfig) -> dict[str, pd.DataFrame]:
-    hub_id = cfg.data.hub_id or HUB_IDS[cfg.data.source]
-    ensure_hub_reachable(
-        f"dataset {hub_id}",
-        "point the pipeline at local files: set FINETUNE_DATA_MIRROR to a folder laid out like ../shared/data "
-        "(imdb/{train,test}.csv.gz, billsum/*.jsonl), or --set data.source=local --set data.path=FILE")
-    import datasets
-
-    ds = datasets.load_dataset(hub_id, revision=cfg.data.hub_revision)
-    frames = {s: ds[s].to_pandas() for s in ("train", "test", "validation") if s in ds}
-    if cfg.data.source == "imdb":  # aclImdb order: positives first within each split
-        frames = {s: f.sort_values("label", ascending=False, kind="stable").reset_index(drop=True)
-                  for s, f in frames.items()}
-    return frames
+    return source_of(cfg.data).deps(cfg.data)
 
 
 def load_source(cfg: PipelineConfig) -> tuple[dict[str, pd.DataFrame], str]:
-    import pandas as pd
-
-    if cfg.data.source == "local" or cfg.data.path:
-        path = local_path(cfg.data.path)
-        return _read_local(path), f"local:{path}"
-    files = mirror_files(cfg.data)
-    if files and cfg.data.source == "imdb":
-        return {"test": read_table(files[0]), "train": read_table(files[1])}, f"mirror:{files[0].parent}"
-    if files:
-        frames: dict[str, list[pd.DataFrame]] = {}
-        for f in files:
-            frames.setdefault(_split_of(f.name) or "train", []).append(read_table(f))
-        return {s: pd.concat(v, ignore_index=True) for s, v in frames.items()}, f"mirror:{files[0].parent}"
-    return _read_hub(cfg), f"hub:{cfg.data.hub_id or HUB_IDS[cfg.data.source]}"
+    return source_of(cfg.data).read(cfg.data)
 
 
 # ------------------------------------------------------------------ labels
@@ -190,69 +75,6 @@ def label_ids(values: pd.Series, names: list[str] | None, num_labels: int | None
     return ids.astype("int64").to_numpy()
 
 
-def _local_label_files(d: Any) -> list[Path] | None:
-    """The tabular files a local data.path holds (None for aclImdb, whose labels are its folders)."""
-    path = local_path(d.path)
-    if (path.is_dir() and (path / "train" / "pos").is_dir()) or path.name.endswith((".tar.gz", ".tgz", ".tar")):
-        return None
-    return [path] if path.is_file() else [f for f in sorted(path.iterdir())
-                                          if f.name.lower().endswith(TABULAR) and _split_of(f.name)]
-
-
-def _label_columns(d: Any) -> list[tuple[Path, LabelColumn]]:
-    """Each local file's label column, a file without the column or with a missing label refused (DataError
-    naming the file, its line and the column)."""
-    out = []
-    for f in _local_label_files(d) or []:
-        col = label_column(str(f), d.label_column or "", f.stat().st_size, f.stat().st_mtime_ns)
-        if not col.values and col.missing is None:
-            if d.label_column not in (names := columns(f)):
-                raise MissingInputError(f"{f}: no column '{d.label_column}' (columns: {', '.join(names)}); "
-                                        f"set data.label_column to one of them")
-            continue  # an empty file: the data stage says so
-        if col.missing is not None:
-            line, what = col.missing
-            raise DataError(f"{f}: line {line}, column '{d.label_column}': {what} label; give every row its "
-                            f"class (or remove the row)")
-        out.append((f, col))
-    return out
-
-
-def found_labels(cfg: PipelineConfig) -> tuple[list[str] | None, int | None]:
-    """(names, largest integer id) of the labels the data stage will read, without running it: IMDB and
-    aclImdb name theirs neg/pos; local files are read (their label column only, when the format allows).
-    Names when any label is not an integer id (then every label is a name), else the largest id."""
-    d = cfg.data
-    if not (d.source == "local" or d.path):
-        return (list(IMDB_LABEL_NAMES), 1) if d.source == "imdb" else (None, None)
-    if _local_label_files(d) is None:
-        return list(IMDB_LABEL_NAMES), 1
-    found = _label_columns(d)
-    if any(col.top is None for _, col in found):
-        return sorted({v for _, col in found for v in col.values}), None
-    return None, max((col.top for _, col in found if col.top is not None), default=None)
-
-
-def check_local_labels(cfg: Any, names: list[str] | None, n: int) -> None:
-    """Before the run: every label of a local file is one of `names` (names given), or an id below n."""
-    d = cfg.data
-    if not (d.source == "local" or d.path) or _local_label_files(d) is None:
-        return
-    for f, col in _label_columns(d):
-        if col.top is not None and names is None:
-            bad = [(v, line) for v, line in col.first_lines if not 0 <= int(float(v)) < n]
-            fix = f"is outside 0..{n - 1} (model.num_labels {n}); fix the data or set model.num_labels"
-        elif names is not None:
-            ok = set(names) | ({str(i) for i in range(len(names))} if col.top is not None else set())
-            bad = [(v, line) for v, line in col.first_lines if v not in ok]
-            fix = f"is not in data.label_names {names}; add it there (or leave data.label_names null) or fix the data"
-        else:
-            continue
-        if bad:
-            value, line = bad[0]
-            raise DataError(f"{f}: line {line}, column '{d.label_column}': label {value!r} {fix}")
-
-
 def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
     """classify: fill `data.label_names` and `model.num_labels` when the pipeline leaves them null, from the
     labels the data holds (found_labels), so the data and model stages' keys cover the names and head size
@@ -261,7 +83,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
         return cfg
     names, n = cfg.data.label_names, cfg.model.num_labels
     if names is None:
-        names, top = found_labels(cfg)
+        names, top = source_of(cfg.data).labels(cfg.data)
         if n is None:
             n = len(names) if names else (max(top + 1, 2) if top is not None else None)
     elif n is None:
@@ -276,7 +98,7 @@ def resolve_labels(cfg: PipelineConfig) -> PipelineConfig:
                  else f"data.label_column '{cfg.data.label_column}' holds")
         raise ConfigError(f"model.num_labels is {n} but {where} {len(names)} names ({shown}); leave "
                           f"model.num_labels out (null) to infer it, or fix data.label_names / data.label_column")
-    check_local_labels(cfg, names, n)
+    source_of(cfg.data).check_labels(cfg.data, names, n)
     if names == cfg.data.label_names and n == cfg.model.num_labels:
         return cfg
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"label_names": names}),
@@ -337,7 +159,7 @@ def named_columns(d: DataConfig, method: str | None) -> list[tuple[str, str, str
     if d.format == "conversation" or method is None:
         return []  # conversation: the columns data.conversation names (check_fields)
     facts = data_of(method)
-    need = facts.required_columns(d, facts.target_column(d, DEFAULT_TARGET.get(d.source)))
+    need = facts.required_columns(d, facts.target_column(d, SOURCES[d.source].target_column))
     if d.target_column:  # named: read as the target when the file has it, so a misspelt one must not go unnoticed
         need.setdefault("data.target_column", d.target_column)
     for key, col in need.items():
@@ -382,7 +204,7 @@ def normalise(frames: dict[str, pd.DataFrame], cfg: PipelineConfig) -> dict[str,
     import pandas as pd
 
     d, needs = cfg.data, data_of(cfg.method.name)
-    target_col = needs.target_column(d, DEFAULT_TARGET.get(d.source))
+    target_col = needs.target_column(d, SOURCES[d.source].target_column)
     out = {}
     for split, df in frames.items():
         if d.format != "columns":
@@ -467,25 +289,16 @@ def check_rows(cfg: PipelineConfig) -> None:
         raise ConfigError(f"data.format {d.format}: conversations are rendered with a chat template for "
                           f"method sft, not {cfg.method.name}; set method: sft or data.format: columns")
     needed = named_columns(d, cfg.method.name)
-    if not (d.source == "local" or d.path):  # the mirror's files' headers, or the columns the hub's dataset has
-        files = mirror_files(d)
-        sources = [(str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns))) for f in files]
-        if not files and d.hub_id is None:
-            sources = [(f"the hub's {d.source}", list(HUB_COLUMNS[d.source]))]
-        for where, present in sources:
-            _check_header(cfg, where, present, needed)
-        return
-    path, tables = local_path(d.path), _local_label_files(d)
-    if tables is None:  # aclImdb: what aclimdb.read_* give
-        _check_header(cfg, str(path), ["id", "text", "label"], needed)
-        return
+    source = source_of(d)
+    for where, present in source.headers(d):  # a file's header, or the columns the hub's dataset has
+        _check_header(cfg, where, present, needed)
+    files, place = source.row_files(d)
     rows: dict[str, int] = {}
-    for f in tables:
-        _check_header(cfg, str(f), list(header(str(f), f.stat().st_size, f.stat().st_mtime_ns)), needed)
+    for f, split_name in files:
         n = _check_file(str(f), f.stat().st_size, f.stat().st_mtime_ns, d.model_dump_json(), cfg.method.name)
-        split_name = "train" if f == path else _split_of(f.name) or "train"
         rows[split_name] = rows.get(split_name, 0) + n
-    check_split_rows(cfg, rows, path.name if path.is_file() else f"{path}'s files")
+    if files:
+        check_split_rows(cfg, rows, place)
 
 
 def _check_header(cfg: PipelineConfig, where: str, present: list[str], needed: list[tuple[str, str, str]]) -> None:
@@ -552,15 +365,7 @@ def makes_validation(cfg: PipelineConfig) -> bool | None:
 
 def source_splits(cfg: PipelineConfig) -> set[str] | None:
     """The splits the source has, from file names only (what `load_source` reads them into); None: unknown."""
-    d = cfg.data
-    if d.source == "local" or d.path:
-        files = _local_label_files(d)
-        if files is None:  # aclImdb
-            return {"train", "test"}
-        return {"train"} if local_path(d.path).is_file() else {s for f in files if (s := _split_of(f.name))}
-    if files := mirror_files(d):
-        return {"train", "test"} if d.source == "imdb" else {_split_of(f.name) or "train" for f in files}
-    return set(HUB_SPLITS[d.source]) if d.hub_id is None else None
+    return source_of(cfg.data).splits(cfg.data)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

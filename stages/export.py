@@ -14,7 +14,8 @@ plus the tokenizer files (model_max_length = tokenize.max_length), generation_co
 causal_lm (the evaluate stage's generation settings, so a bare `model.generate(**batch)` reproduces its texts),
 finetune_pipeline.yaml / finetune_pipeline.json (the pipeline's settings, under names no HF tool reads as a
 model config) and README.md, the card: HF front matter with the evaluated metrics, a usage snippet, the
-commands that reproduce and re-evaluate it.
+commands that reproduce and re-evaluate it. The weights are the hf format's (stages/formats/hf.py); each other
+format export.formats lists (FORMATS, stages/formats/__init__.py) then writes its folder beside them.
 
 Export is downstream of evaluate: the card carries its metrics and generation_config.json its settings, so a
 change of an evaluation setting re-exports (re-merges) unchanged weights; the card is then never behind.
@@ -27,38 +28,22 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-import torch
-
-from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json
 from stages.engine.stage import StageContext, select
-from stages.formats import gguf_export, onnx_export
+from stages.formats import listed_formats
 from stages.formats.export_layout import hub_base, top_layout
+from stages.formats.format import ExportJob
 from stages.methods import method_of
 from stages.methods.base import Method
-from stages.models.compat.peft import peft_dispatch
-from stages.models.compat.transformers import drop_quantization_config
 from stages.models.hf import load_tokenizer
-from stages.models.model_loading import (
-    DTYPES,
-    LOAD_INFO,
-    load_info,
-    load_model,
-    load_trained,
-    write_adapter_config,
-)
+from stages.models.model_loading import LOAD_INFO
 from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
+from stages.sources import SOURCES
 
 PIPELINE_JSON, PIPELINE_YAML = "finetune_pipeline.json", "finetune_pipeline.yaml"
-HUB_DATASETS = {"imdb": "stanfordnlp/imdb", "billsum": "billsum"}
 
 
 # ---------------------------------------------------------------- what goes at the top
@@ -72,48 +57,6 @@ def pinned_revision(ctx: Any) -> str | None:
 
 
 # ---------------------------------------------------------------- weights
-
-
-def export_adapter(trained: Path, out: Path, base_name: str, revision: str | None = None) -> None:
-    """The trained PEFT adapter (its two files), with the base recorded by name (not a store path) and, for
-    a hub base, the pinned commit."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        shutil.copy2(trained / name, out / name)
-    write_adapter_config(out / "adapter_config.json", base_model_name_or_path=base_name, revision=revision)
-
-
-def untie_if_diverged(model: PreTrainedModel) -> bool:
-    """A trained lm_head (LoRA modules_to_save) no longer equals the tied input embeddings: save both,
-    or a reload would tie lm_head back to the untrained embeddings."""
-    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is None or inp is None or out.weight is inp.weight:
-        return False
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if not getattr(cfg, "tie_word_embeddings", False):
-        return False
-    if torch.equal(cast(torch.Tensor, out.weight), cast(torch.Tensor, inp.weight)):
-        return False
-    cfg.tie_word_embeddings = False
-    model.config.tie_word_embeddings = False
-    return True
-
-
-def merged_model(model_dir: Path, adapter_dir: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, dict[str, Any]]:
-    """The base (dequantized when 4/8-bit) in `dtype` with the LoRA weights merged in."""
-    info = load_info(model_dir)
-    base = load_model(model_dir)
-    if info["quantization"] != "none":
-        base = base.dequantize(dtype=dtype)
-    base = base.to(dtype)
-    with peft_dispatch(base) as peft:
-        merged = peft.PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged.eval()
-    untied = untie_if_diverged(merged)
-    drop_quantization_config(merged)  # plain weights now
-    merged.config.dtype = dtype
-    return merged, {"dequantized_from": info["quantization"] if info["quantization"] != "none" else None,
-                    "untied_lm_head": untied}
 
 
 def generation_config(model_dir: Path, e: Any, tok: Any, method: Method) -> Any:
@@ -166,12 +109,6 @@ def chat_facts(tokenized: dict[str, Any], tok: Any, out: Path) -> dict[str, Any]
     template = "chat_template.jinja" if (out / "chat_template.jinja").is_file() else "tokenizer_config.json"
     return {"template": template, "template_sha256": rendered["template_sha256"], "loss_on": rendered["loss_on"],
             "end_of_turn": tok.convert_ids_to_tokens(eot) if eot is not None else tok.eos_token}
-
-
-def save_hf(model: PreTrainedModel, out: Path, gen: Any) -> None:
-    if gen is not None:
-        model.generation_config = gen
-    model.save_pretrained(str(out), safe_serialization=True)
 
 
 # ---------------------------------------------------------------- the card
@@ -237,7 +174,7 @@ def front_matter(name: str, sections: dict[str, Any], fmt: str, revision: str | 
     meta["library_name"] = "peft" if fmt == "adapter" else "transformers"
     meta["pipeline_tag"] = tag
     meta["tags"] = ["finetune"] + (["lora"] if sections["adapters"]["method"] == "lora" else [])
-    dataset = d.get("hub_id") or HUB_DATASETS.get(d["source"])
+    dataset = d.get("hub_id") or SOURCES[d["source"]].hub_id
     if dataset:
         meta["datasets"] = [dataset]
     names = sorted({k for v in evaluated.values() for k in v})
@@ -358,60 +295,36 @@ def card(name: str, description: str | None, sections: dict[str, Any], keys: dic
 # ---------------------------------------------------------------- the stage
 
 
+def write_formats(job: ExportJob) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each format export.formats lists written (hf first: the others are written from the folder it writes), and
+    checked: (facts for the manifest, the top's at the top and each other's under its name; {folder: card line})."""
+    facts: dict[str, Any] = {}
+    extra: dict[str, str] = {}
+    for export_format in listed_formats(job.cfg):
+        written = export_format.write(job)
+        if export_format.folder:
+            facts[export_format.name] = written
+        else:
+            facts.update(written)
+        extra.update(export_format.card_lines(job, written))
+    return facts, extra
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     import yaml
 
-    cfg, x, out = ctx.cfg, ctx.cfg.export, ctx.out_dir
-    model_dir, train_dir = ctx.upstream["model"], ctx.upstream["train"]
-    trained = train_dir / "trained"
-    dtype = DTYPES[x.merged_dtype]
-    method, adapting = method_of(cfg.method.name), cfg.adapters.method
+    cfg, out = ctx.cfg, ctx.out_dir
+    method = method_of(cfg.method.name)
     fmt = top_layout(cfg)
     revision = pinned_revision(ctx) if hub_base(cfg.model) else None
     tok = save_tokenizer(ctx.upstream["tokenize"] / "tokenizer", out, cfg.tokenize, method)
-    gen = generation_config(model_dir, cfg.evaluate, tok, method)
-    extra: dict[str, str] = {}
-    facts: dict[str, Any] = {"method": adapting, "layout": fmt, "base_revision": revision}
+    gen = generation_config(ctx.upstream["model"], cfg.evaluate, tok, method)
+    facts: dict[str, Any] = {"method": cfg.adapters.method, "layout": fmt, "base_revision": revision}
     chat = chat_facts(ctx.upstream_manifests["tokenize"], tok, out)
     if chat:
         facts["chat"] = chat
-    if adapting == "lora":
-        if fmt == "adapter":
-            export_adapter(trained, out, cfg.model.name, revision)
-            if gen is not None:
-                gen.save_pretrained(str(out))
-        else:
-            export_adapter(trained, out / "adapter", cfg.model.name, revision)
-            extra["adapter"] = (f"the PEFT adapter alone, for `PeftModel.from_pretrained(base, 'adapter')` on the "
-                                f"base `{cfg.model.name}`")
-        if fmt == "merged" or x.merge:
-            merged, more = merged_model(model_dir, trained, dtype)
-            where = out if fmt == "merged" else out / "merged"
-            save_hf(merged, where, gen)
-            if where != out:
-                tok.save_pretrained(str(where))
-                extra["merged"] = f"the base with the LoRA merged in, {x.merged_dtype}, safetensors + tokenizer"
-            facts.update(merged=True, dtype=x.merged_dtype, **more)
-    elif adapting == "full":
-        if not (trained / LOAD_INFO).is_file():
-            raise ConfigError(f"{trained}: not a full-finetune model; rerun the train stage")
-        loaded: Any = load_trained(model_dir, ctx.upstream["adapters"], train_dir)  # (PreTrainedModel.to's stub)
-        model = loaded.to(dtype)
-        model.config.dtype = dtype
-        save_hf(model, out, gen)
-        facts.update(dtype=x.merged_dtype)
-    else:  # pragma: no cover - AdaptersConfig allows only these
-        raise ConfigError(f"adapters.method {adapting}: cannot export")
-    (out / LOAD_INFO).unlink(missing_ok=True)
-    if "onnx" in x.formats:  # from the folder just written, checked in onnxruntime before anything is committed
-        facts["onnx"] = onnx_export.export_checked(out, ctx.upstream["tokenize"], cfg.evaluate.splits, x.onnx_int8,
-                                                   ctx.log)
-        extra[onnx_export.ONNX_DIR] = onnx_export.card_line(facts["onnx"])
-    if "gguf" in x.formats:  # the merged weights converted by llama.cpp's converter, checked in llama.cpp
-        merged_at = out if fmt in ("merged", "model") else out / "merged"
-        facts["gguf"] = gguf_export.export_checked(merged_at, out, ctx.upstream["tokenize"], cfg.evaluate.splits,
-                                                   x.gguf_types, x.gguf_check_tokens, ctx.log)
-        extra[gguf_export.GGUF_DIR] = gguf_export.card_line(facts["gguf"])
+    written, extra = write_formats(ExportJob(cfg, out, fmt, ctx.upstream, revision, tok, gen, ctx.log))
+    facts.update(written)
 
     sections = config_sections(cfg)
     keys = lineage(ctx)

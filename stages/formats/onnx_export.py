@@ -36,6 +36,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError, FinetuneError
+from stages.formats.format import ExportJob, Format
 
 if TYPE_CHECKING:
     import numpy as np
@@ -504,3 +505,27 @@ def card_line_seq2seq(facts: dict[str, Any]) -> str:
         line += (f"; {int8_name(ENCODER)} / {int8_name(DECODER)} (weights int8, onnxruntime dynamic quantization): "
                  f"{q['rows_identical']} of {q['rows']} greedy generations identical to fp32 torch's")
     return line
+
+
+class Onnx(Format):
+    name = "onnx"
+    folder = ONNX_DIR
+    libraries = EXTRA
+
+    def check(self, cfg: PipelineConfig) -> None:
+        check_formats(cfg)
+        super().check(cfg)
+
+    def check_unlisted(self, cfg: PipelineConfig) -> None:
+        check_formats(cfg)
+
+    def write(self, job: ExportJob) -> dict[str, Any]:
+        """From the folder just written, checked in onnxruntime before anything is committed."""
+        return export_checked(job.out, job.upstream["tokenize"], job.cfg.evaluate.splits, job.cfg.export.onnx_int8,
+                              job.log)
+
+    def card_lines(self, job: ExportJob, facts: dict[str, Any]) -> dict[str, str]:
+        return {self.folder: card_line(facts)}
+
+
+FORMAT = Onnx()

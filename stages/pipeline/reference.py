@@ -13,13 +13,14 @@ import sys
 import typing
 from pathlib import Path
 from types import NoneType, UnionType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import annotated_types as at
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from stages.pipeline.choices import one_of
 from stages.pipeline.schema import SECTIONS, PipelineConfig, Section, SweepConfig, is_runtime
 
 REFERENCE_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -32,6 +33,10 @@ BOUNDS = ((at.Ge, "ge", "≥"), (at.Gt, "gt", ">"), (at.Le, "le", "≤"), (at.Lt
 def type_text(tp: Any) -> str:
     """`a` \\| `b` for Literals, `X or null` for optionals, `list of X`, `mapping X → Y`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if registry := one_of(tp):  # a registry's names, e.g. data.source
+        return " \\| ".join(f"`{a}`" for a in registry.names())
+    if origin is Annotated:
+        return type_text(args[0])
     if origin is Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, UnionType):
@@ -85,7 +90,7 @@ def table(model: type[BaseModel], prefix: str, names: list[str] | None = None, k
     for name, field in rows(model, prefix):
         if names is not None and name not in names:
             continue
-        kind = type_text(field.annotation)
+        kind = type_text(Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation)
         if bounds := bounds_text(field):
             kind += f" ({bounds})"
         where = [("runtime" if is_runtime(field) else "key")] if keyed else []

@@ -8,17 +8,27 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from stages.engine.names import Name
-from stages.pipeline.choices import choice_of
+from stages.pipeline.choices import OneOf, choice_of
 from stages.pipeline.sweep_schema import SweepConfig  # noqa: F401  (one entry of `sweeps:`, re-exported)
 
 MAX_EPOCHS = 10_000  # passes over the train split (train.epochs)
 MAX_MICRO_BATCH = 65_536  # rows in one forward pass (train.micro_batch_size)
+SOURCE_NAMES = OneOf("stages.sources", "SOURCES")  # data.source: a module of stages/sources each
+FORMAT_NAMES = OneOf("stages.formats", "FORMATS")  # export.formats: a module of stages/formats each
 SECTIONS = ("method", "data", "tokenize", "model", "quantization", "adapters", "train", "evaluate", "export", "tracking")
 
 
@@ -106,7 +116,7 @@ class SplitConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["imdb", "billsum", "local"] = Field(
+    source: Annotated[str, AfterValidator(SOURCE_NAMES)] = Field(
         "imdb", description="imdb: 50,000 movie reviews, labels 0 negative / 1 positive; billsum: US bills with "
         "their summaries (seq2seq); both from the offline mirror when it has them, else the hub. local: the "
         "file(s) at `path`.")
@@ -117,7 +127,8 @@ class DataConfig(Section):
                                "--set value: to the current directory), made absolute when loaded. Its files' "
                                "content (and their names) is in the data stage's key, not the path: moving the "
                                "file keeps the cache, but for the export stage, whose pipeline file names it")
-    hub_id: str | None = Field(None, description="dataset id on the hub; default stanfordnlp/imdb or billsum")
+    hub_id: str | None = Field(None, description="dataset id on the hub; default: the source's own "
+                                  "(its module in stages/sources names it)")
     hub_revision: str | None = Field(None, description="branch, tag or commit of the hub dataset; default its "
                                      "main branch")
     mirror: str | None = runtime(None, description="offline mirror laid out like ../shared/data (imdb/, billsum/); "
@@ -426,7 +437,7 @@ class ExportConfig(Section):
                         "to merged_dtype, LoRA merged in, safetensors + tokenizer + config)")
     merged_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the merged model's weights (and of a full finetune's model)")
-    formats: list[Literal["hf", "onnx", "gguf"]] = Field(
+    formats: list[Annotated[str, AfterValidator(FORMAT_NAMES)]] = Field(
         ["hf"], min_length=1, description="what the export folder holds. hf: the Hugging Face folder (always: "
         "`layout` says what is at its top), its tokenizer and card. onnx (classify, seq2seq; pip install "
         "'.[onnx]'): onnx/model.onnx (seq2seq: encoder.onnx and decoder.onnx) beside it, checked in onnxruntime "

@@ -24,6 +24,7 @@ from stages.methods.base import Method
 from stages.models.inference import device_for
 from stages.models.model_loading import quiet_transformers
 from stages.pipeline.schema import LEGACY_TASKS
+from stages.runtimes import runtime_of
 from stages.training.device import Precision, autocast, resolve_precision
 
 PIPELINE_JSON = "finetune_pipeline.json"  # stages/export.py writes it beside the model
@@ -47,9 +48,7 @@ class Exported:
     max_length: int
     generation: dict[str, Any]  # generate() kwargs: the evaluate stage's settings (generation_config.json)
     precision: str = "auto"  # train.mixed_precision as resolved for the run (the evaluate stage's autocast)
-    # torch; onnx (onnx/model.onnx in onnxruntime), onnx-int8 (onnx/model_int8.onnx); gguf (gguf/model-f16.gguf in
-    # llama.cpp), gguf-q8_0 (gguf/model-q8_0.gguf)
-    runtime: str = "torch"
+    runtime: str = "torch"  # its name in RUNTIMES (stages/runtimes/__init__.py)
 
 
 def is_export(folder: Path) -> bool:
@@ -98,12 +97,15 @@ def export_settings(folder: Path) -> dict[str, Any]:
 
 def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") -> Exported:
     """The folder's tokenizer and model (eval mode), on the GPU when there is one. `chat`: to answer
-    conversations, refused (before the model loads) for an export that has no chat template. `runtime` onnx /
-    onnx-int8: the folder's ONNX file in onnxruntime instead of the model (a classifier's); gguf / gguf-q8_0: the
-    folder's GGUF file in llama.cpp (a causal LM's)."""
+    conversations, refused (before the model loads) for an export that has no chat template. `runtime`: a name in
+    RUNTIMES (stages/runtimes/__init__.py), which loads the folder (torch: the Hugging Face model; onnx: its ONNX
+    files in onnxruntime; gguf: its GGUF file in llama.cpp)."""
     import transformers
 
     folder = Path(folder)
+    engine = runtime_of(runtime)
+    if chat and not engine.answers_chats:
+        raise ConfigError(engine.chat_refusal())
     if not is_export(folder):
         raise ConfigError(f"{folder}: not an export folder (no {PIPELINE_JSON} beside a config.json or "
                           f"adapter_config.json); give a pipeline name or the export stage's folder")
@@ -113,32 +115,13 @@ def load_export(folder: Path | str, chat: bool = False, runtime: str = "torch") 
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     if chat:
         refuse_chat(folder, method, tok)
-    name = method.head.auto_class
     generation: dict[str, Any] = {}
     if method.head.generates:
         gen = transformers.GenerationConfig.from_pretrained(str(folder))
         generation = {"generation_config": gen}
     max_length = settings["tokenize"]["max_length"]
-    if runtime.startswith("gguf"):
-        if not method.head.decoder_only:
-            raise ConfigError(f"--runtime {runtime}: {folder} is a {method.name} export; GGUF exports are of causal "
-                              f"LMs (method sft): give --runtime torch")
-        from stages.formats.gguf_export import runtime_model as gguf_model
-
-        model = gguf_model(folder, runtime)
-    elif runtime != "torch":
-        if method.head.decoder_only:
-            raise ConfigError(f"--runtime {runtime}: {folder} is a {method.name} export; ONNX exports are of "
-                              f"classifiers and seq2seq models: give --runtime torch (or gguf, with export.formats [hf, gguf])")
-        from stages.formats.onnx_export import runtime_model
-
-        model = runtime_model(folder, runtime)
-    elif (folder / "adapter_config.json").is_file():
-        import peft
-
-        model = getattr(peft, name.replace("AutoModel", "AutoPeftModel")).from_pretrained(str(folder))
-    else:
-        model = getattr(transformers, name).from_pretrained(str(folder), use_safetensors=True)
+    engine.refuse(folder, method)
+    model = engine.load(folder, method)
     model.eval()
     return Exported(folder, model, tok, method, settings["tokenize"]["prefix"], max_length,
                     generation, settings.get("train", {}).get("mixed_precision", "auto"), runtime)
@@ -209,11 +192,11 @@ def predict(ex: Exported, texts: list[str], batch_size: int | None = None, overr
     if conversations is not None:
         refuse_chat(ex.folder, ex.method, ex.tok)
     ids = token_ids(ex, texts) if conversations is None else chat_ids(ex, conversations)
-    if ex.runtime != "torch":  # onnxruntime / llama.cpp compute in the file's own precision; autocast does not reach
+    engine = runtime_of(ex.runtime)
+    if engine.own_precision:  # e.g. onnxruntime / llama.cpp: the file's own precision; autocast does not reach
         device = torch.device("cpu")
-        engine = "llama.cpp" if ex.runtime.startswith("gguf") else "onnxruntime"
-        chosen = Precision("no", f"{engine} runs {ex.model.path.name} in its own precision")
-        log.info("predict: runtime %s on the CPU, %s", engine, chosen.reason)
+        chosen = Precision("no", f"{engine.engine} runs {ex.model.path.name} in its own precision")
+        log.info("predict: runtime %s on the CPU, %s", engine.engine, chosen.reason)
     else:
         device = device_for(ex.model)
         chosen = export_precision(ex, device) if precision == "export" else resolve_precision(precision, device)

@@ -18,6 +18,7 @@ from stages import data as data_stage
 from stages.engine.errors import ConfigError, DataError, HubUnreachableError, MissingInputError
 from stages.pipeline.loading import load_pipeline
 from stages.sources import aclimdb, arrow
+from stages.sources.local import read_local
 
 
 def sha(path: Path) -> str:
@@ -178,7 +179,7 @@ def test_acl_imdb_folder_and_tarball_keep_article_order(tmp_path, store_dir):
             "data.subset=null"]
     outs = []
     for path in (tmp_path / "aclImdb", tmp_path / "aclImdb_v1.tar.gz"):
-        frames = data_stage._read_local(path)
+        frames = read_local(path)
         assert frames["test"]["id"].tolist()[:3] == ["test/pos/10_7.txt", "test/pos/1_7.txt", "test/pos/2_7.txt"]
         assert frames["test"]["label"].tolist() == [1, 1, 1, 0, 0, 0]
         outs.append(run("tiny-imdb", *sets, f"data.path={path}", until="data")["data"])

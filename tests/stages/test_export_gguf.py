@@ -21,8 +21,8 @@ from stages.__main__ import main as stages_main
 from stages.engine.errors import FinetuneError
 from stages.engine.runner import execute
 from stages.engine.store import Store
-from stages.formats import gguf_export
-from stages.graph import GRAPH, check_formats
+from stages.formats import check_formats, gguf_export
+from stages.graph import GRAPH
 from stages.pipeline.loading import load_pipeline
 
 GGUF = {"formats": ["hf", "gguf"], "gguf_check_tokens": 8}
