@@ -131,9 +131,10 @@ def create_app(models: dict[str, Served], api_key: str | None = None) -> FastAPI
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        if first.get("type") == "json_invalid":
-            msg, param = (f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'malformed')}); send "
-                          f"a JSON object with Content-Type: application/json"), None
+        if first.get("type") == "json_invalid" or tuple(first.get("loc", ())) == ("body",):
+            why = first.get("ctx", {}).get("error") or first.get("msg", "malformed")
+            msg, param = (f"the body is not a JSON object ({why}); send one with Content-Type: "
+                          f"application/json"), None
         else:
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             param = ".".join(loc) or None

@@ -15,12 +15,16 @@ before a model loads where they can be known then."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from stages.engine.cli import guarded
@@ -145,6 +149,28 @@ def load_models(args: argparse.Namespace) -> dict:
     return models
 
 
+def graceful_server() -> type:
+    """uvicorn's Server, its signal handling kept but not its last step: after a graceful stop on SIGINT /
+    SIGTERM it raises the signal again (for a host process), which would turn a clean stop into an exit by
+    signal; here the stop is the command's normal end, exit 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            before = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in before.items():
+                    signal.signal(s, handler)
+
+    return Server
+
+
 def main(argv: list[str] | None = None, *, prog: str = "python -m flows.serve_model") -> int:
     args = build_parser(prog).parse_args(argv)
 
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.serve_mo
         import uvicorn
 
         from flows.reports.openai_api import AccessLog, create_app
+
+        Server = graceful_server()
 
         models = load_models(args)
         app = create_app(models, args.api_key)
@@ -167,7 +195,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.serve_mo
         print(f"serve-model: http://{shown}:{port}/ (the playground; the API under /v1), models: "
               + ", ".join(f"{m.name} ({m.kind})" for m in models.values())
               + ("" if args.api_key else "; no --api-key"), flush=True)
-        server = uvicorn.Server(uvicorn.Config(AccessLog(app), log_level="warning", access_log=False,
+        server = Server(uvicorn.Config(AccessLog(app), log_level="warning", access_log=False,
                                                lifespan="off", timeout_graceful_shutdown=None))
         try:
             server.run(sockets=[sock])
