@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m flows.serve_mo
 
     def go() -> int:
         check_options(args)
+        try:
+            import fastapi  # noqa: F401
+            import uvicorn  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"finetune serve-model needs fastapi and uvicorn (the serve extra; {e}): pip install "
+                              f"-e '.[serve]'") from None
         sock = bound_socket(args.host, args.port)  # before the models load: a taken port is known at once
         import uvicorn
 
