@@ -112,7 +112,7 @@ class LlamaProcess:
         import torch
 
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).with_name("llama_child.py"))],
+        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).parent.parent / "runtimes" / "llama_child.py")],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         try:
             self._call("load", path=str(path), n_ctx=n_ctx, threads=threads or torch.get_num_threads())
