@@ -190,7 +190,8 @@ LONGEST_FIRST = ("tests/bench/test_bench_heavy.py", "tests/bench/test_benches.py
                  "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
                  "tests/flows/test_two_machines.py", "tests/stages/test_export_standalone.py",
                  "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py",
-                 "tests/flows/test_serve_model.py", "tests/docs/test_doc_blocks.py", "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
+                 "tests/flows/test_serve_model.py", "tests/docs/test_doc_blocks.py",
+                 "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before --deselect / --lf drop items
