@@ -254,8 +254,11 @@ async def answer(m: Served, body: Generating, ids: list[int], request: Request, 
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue[str | None] = asyncio.Queue()
     streaming = body.stream
-    job = Job(ids=ids, sampling=s,
-              on_text=(lambda t: loop.call_soon_threadsafe(pieces.put_nowait, t)) if streaming else None)
+
+    def on_text(piece: str) -> None:  # called from the model's thread
+        loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+    job = Job(ids=ids, sampling=s, on_text=on_text if streaming else None)
     future = submit(m, job)
     rid, created = f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
 

@@ -220,15 +220,15 @@ class Engine:
             deadline = time.monotonic() + self.max_wait_s
             while len(group) < self.max_batch and not stopping:
                 try:
-                    j = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    came = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
-                if j is None:
+                if came is None:
                     stopping = True
-                elif j.group == first.group:
-                    group.append(j)
+                elif came.group == first.group:
+                    group.append(came)
                 else:
-                    waiting.append(j)
+                    waiting.append(came)
             group = [j for j in group if not j.cancelled.is_set() or j.future.cancel()]
             if group:
                 self.batches.append(len(group))

@@ -226,11 +226,19 @@ def test_the_playground_asks_the_tuned_model_and_its_base_side_by_side_in_chromi
 
 
 def test_the_api_key_a_full_queue_503_and_sigterm_finishing_the_request_in_flight(exports, tmp_path):
-    import openai
-
     log = tmp_path / "server.log"
     s = Server([str(exports["chat"]), "--max-batch", "1", "--max-queue", "1", "--api-key", KEY], exports["store"],
                log)
+    try:
+        stopped_well(s, log)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def stopped_well(s: Server, log: Path) -> None:
+    import openai
+
     assert "models: chat (chat)" in s.first_line and "no --api-key" not in s.first_line
     with pytest.raises(openai.AuthenticationError) as e:
         client(s, "sk-wrong").models.list()
