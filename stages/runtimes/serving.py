@@ -229,7 +229,9 @@ class Engine:
                     group.append(came)
                 else:
                     waiting.append(came)
-            group = [j for j in group if not j.cancelled.is_set() or j.future.cancel()]
+            for j in [j for j in group if j.cancelled.is_set()]:  # a client gone while it waited
+                group.remove(j)
+                j.future.cancel()
             if group:
                 self.batches.append(len(group))
                 self._run(group)
