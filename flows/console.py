@@ -8,6 +8,7 @@ each the `main` of a `flows/<module>.py`, the way `dvc` and `prefect` group thei
     finetune summary PIPELINE [--if-cached]
     finetune predict ...
     finetune methods [--config FILE]
+    finetune serve-model PIPELINE|EXPORT_FOLDER ... [--base] [--port 8000]
     finetune server [--host 127.0.0.1] [--port 4200]
 
 A subcommand's module is imported only when it runs: `finetune inspect` never imports Prefect. Every entry point
@@ -33,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("flows.summary", "summarize a pipeline's artifacts (--if-cached: reuse them without Prefect)"),
     "predict": ("flows.predict", "predictions from a trained pipeline's model"),
     "methods": ("flows.methods", "the training methods: what each learns, its head, the pipelines using it"),
+    "serve-model": ("flows.serve_model", "serve exports in the OpenAI API's shape, with a playground page"),
     "server": ("flows.server", "the Prefect server (API and UI) on the project's Prefect home"),
 }
 

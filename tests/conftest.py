@@ -134,6 +134,10 @@ SLOW = {
         "test_predict_on_an_export_folder_imports_no_prefect_or_store",
         "test_the_cards_snippet_answers_a_batch_of_conversations",
     ),
+    "tests/flows/test_serve_model.py": (  # the exports and the server are the first test's setup
+        "test_chat_through_the_openai_client_equals_predict_chat_streamed_or_not_and_batched",
+        "test_the_api_key_a_full_queue_503_and_sigterm_finishing_the_request_in_flight",
+    ),
     "tests/stages/test_data.py": (
         "test_imdb_split_reproduces_the_article",
     ),
@@ -190,7 +194,8 @@ LONGEST_FIRST = ("tests/bench/test_bench_heavy.py", "tests/bench/test_benches.py
                  "tests/stages/test_chat_export.py", "tests/stages/test_distributed.py",
                  "tests/flows/test_two_machines.py", "tests/stages/test_export_standalone.py",
                  "tests/flows/test_user_session.py", "tests/flows/test_sweep.py", "tests/flows/test_serve.py",
-                 "tests/docs/test_doc_blocks.py", "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
+                 "tests/flows/test_serve_model.py", "tests/docs/test_doc_blocks.py",
+                 "tests/engine/test_store_robustness.py", "tests/test_wheel.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before --deselect / --lf drop items

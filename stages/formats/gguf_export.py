@@ -112,7 +112,8 @@ class LlamaProcess:
         import torch
 
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-P", str(Path(__file__).parents[1] / "runtimes" / "llama_child.py")],
+        child = Path(__file__).parent.parent / "runtimes" / "llama_child.py"
+        self._proc = subprocess.Popen([sys.executable, "-P", str(child)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
         try:
             self._call("load", path=str(path), n_ctx=n_ctx, threads=threads or torch.get_num_threads())

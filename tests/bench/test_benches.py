@@ -94,26 +94,43 @@ def test_predict_batch_smoke(tmp_path, shared):
     assert "profile of one pass" in out
 
 
+@pytest.fixture(scope="module")
+def titles(tmp_path_factory) -> Path:
+    """The store of bench/predict_generation.py's smoke export (a tiny llama, hf + gguf), which bench/serve.py's
+    smoke serves: computed once, by whichever of the two runs first."""
+    return tmp_path_factory.mktemp("bench-titles") / "store"
+
+
 @needs_shared_data
 @pytest.mark.slow
-def test_predict_generation_smoke(tmp_path):  # ~30 CPU-s: a GGUF export, then the bench twice
+def test_predict_generation_smoke(tmp_path, titles):  # ~30 CPU-s: a GGUF export, then the bench twice
     """Then again (the export cached) with llama.cpp killed by SIGILL on loading the q8_0 file, what its AMX kernels
     do on a VM that advertises AMX (tests/stages/test_export_gguf.py): that row says so, the others are measured."""
     paths = ["predict (torch), one at a time", "predict (torch), batched", "--runtime gguf (f16, llama.cpp)",
              "--runtime gguf-q8_0 (llama.cpp)"]
-    out = smoke("predict_generation.py", tmp_path)
+    out = smoke("predict_generation.py", tmp_path, store=titles)
     t = table(out, "threads")
     assert [r[1] for r in t[1]] == paths and column(t, "best s")[3] != "failed", out[-3000:]
 
     (tmp_path / "faulty" / "llama_cpp").mkdir(parents=True)
     (tmp_path / "faulty" / "llama_cpp" / "__init__.py").write_text(FAULTY_LLAMA_CPP)
-    p = bench("predict_generation.py", "--smoke", store=tmp_path / "store",
+    p = bench("predict_generation.py", "--smoke", store=titles,
               env={"PYTHONPATH": str(tmp_path / "faulty"), "CRASH_ON": "model-q8_0.gguf", "CRASH_SIGNAL": "SIGILL"})
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
     t = table(p.stdout, "threads")
     assert [r[1] for r in t[1]] == paths
     assert [c == "failed" for c in column(t, "best s")] == [False, False, False, True]
     assert "SIGILL" in t[1][3][-1]
+
+
+@needs_shared_data
+@pytest.mark.slow
+def test_serve_smoke(tmp_path, titles):  # two servers (torch, llama.cpp) on predict_generation's smoke export
+    t = table(smoke("serve.py", tmp_path, store=titles), "runtime")
+    assert [r[:2] for r in t[1]] == [[rt, mode] for rt in ("torch (batched generate)", "gguf (f16, llama.cpp)")
+                                     for mode in ("one at a time", "concurrent")]
+    assert column(t, "answered") == ["8/8"] * 4 and column(t, "identical to one at a time")[1::2] == ["8/8"] * 2
+    assert all(number(x) > 0 for x in column(t, "answers/s"))
 
 
 def test_predict_seq2seq_smoke(tmp_path):
