@@ -260,8 +260,8 @@ class Engine:
     def _generate(self, group: list[Job]) -> None:
         import torch
 
-        from stages.runtimes.exported import export_precision
         from stages.models.inference import device_for, padded, stop_set
+        from stages.runtimes.exported import export_precision
         from stages.training.device import autocast
 
         ex = self.ex
