@@ -43,7 +43,7 @@ def tiny_gguf(out: Path) -> Path:
     from stages.models.hf import load_tokenizer
     from stages.pipeline.schema import PipelineConfig
 
-    cfg = PipelineConfig.model_validate({"name": "bench", "model": {"name": SMOLLM2, "task": "causal_lm"}})
+    cfg = PipelineConfig.model_validate({"name": "bench", "method": "sft", "model": {"name": SMOLLM2}})
     folder = out / "tiny-llama"
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA)).save_pretrained(folder)

@@ -106,7 +106,7 @@ def smollm2_lora(r: int = 8, tiny: bool = False) -> tuple[Any, Callable[[], torc
     from stages.models.hf import load_tokenizer, split_gguf
     from stages.pipeline.schema import PipelineConfig
 
-    cfg = PipelineConfig.model_validate({"name": "bench", "model": {"name": SMOLLM2, "task": "causal_lm"}})
+    cfg = PipelineConfig.model_validate({"name": "bench", "method": "sft", "model": {"name": SMOLLM2}})
     tok = load_tokenizer(cfg)
     if tiny:
         torch.manual_seed(0)

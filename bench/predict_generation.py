@@ -56,14 +56,15 @@ def pipeline_file(out: Path, chats: list[list[dict[str, str]]], smoke: bool = Fa
             "data": {"source": "local", "path": str(out / "bills.jsonl"), "format": "messages",
                      "split": {"mode": "source", "seed": 1, "validation": 4, "test": 8}},
             "tokenize": {"max_length": 256},
-            "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None},
+            "method": "sft", "model": {"name": SMOLLM2, "num_labels": None},
             "adapters": {"method": "lora", "target_modules": ["q_proj", "v_proj"]},
             "train": {"micro_batch_size": 4, "lr": 2e-4, "max_steps": 12, "eval_every": None, "select_best": None,
                       "mixed_precision": "no"},
             "evaluate": {"max_new_tokens": 32, "splits": ["test"], "batch_size": 8},
             "export": {"formats": ["hf", "gguf"]}}
     if smoke:
-        body["model"] = {"name": "tiny-llama", "task": "causal_lm", "num_labels": None, "from_config": TINY_LLAMA}
+        body["method"] = "sft"
+        body["model"] = {"name": "tiny-llama", "num_labels": None, "from_config": TINY_LLAMA}
         body["tokenize"]["tokenizer"] = SMOLLM2
         body["train"]["max_steps"] = 2
         body["evaluate"]["max_new_tokens"] = 4

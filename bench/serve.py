@@ -116,11 +116,11 @@ def main() -> int:
         args.clients, args.requests, args.max_tokens = 4, 8, 4
     from predict_generation import HELD_OUT, TRAIN, conversations, pipeline_file
 
-    from stages.engine.config import load_pipeline
     from stages.engine.errors import FinetuneError
     from stages.engine.remote_store import open_store
     from stages.engine.runner import execute
     from stages.graph import GRAPH
+    from stages.pipeline.loading import load_pipeline
 
     chats = conversations()
     out = ROOT / "bench" / "out" / ("predict_generation_smoke" if args.smoke else "predict_generation")

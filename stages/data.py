@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from stages.engine.config import inherited_from
 from stages.engine.errors import ConfigError, DataError, MissingInputError
 from stages.engine.stage import StageContext
-from stages.methods import data_of
+from stages.methods.registry import data_of
 from stages.pipeline.schema import DataConfig, PipelineConfig
 from stages.sources import SOURCES, source_of
 from stages.sources.tables import each_row, places, read_table

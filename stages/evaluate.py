@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import MissingInputError
 from stages.engine.stage import StageContext
-from stages.methods import method_in, metrics
+from stages.methods import metrics
 from stages.methods.base import Method
+from stages.methods.registry import method_in
 from stages.models.compat.bitsandbytes import exact_cpu_kernels
 from stages.models.hf import load_tokenizer
 from stages.models.inference import device_for

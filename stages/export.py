@@ -36,8 +36,8 @@ from stages.engine.stage import StageContext, select
 from stages.formats import listed_formats
 from stages.formats.export_layout import hub_base, top_layout
 from stages.formats.format import ExportJob
-from stages.methods import method_of
 from stages.methods.base import Method
+from stages.methods.registry import method_of
 from stages.models.hf import load_tokenizer
 from stages.models.model_loading import LOAD_INFO
 from stages.pipeline.schema import CARD_SECTIONS, PipelineConfig

@@ -20,9 +20,9 @@ from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.plan import Graph, Plan, Project
 from stages.engine.stage import Lazy, Stage
 from stages.facts import EVALUATES, LOADS_MODEL, MAKES_TRAINABLE, SHIPS, TRAINS
-from stages.methods import BUILTIN, method_in, method_of, user_files
 from stages.methods.base import Method
 from stages.methods.metrics import metric_files, validation_metric_files
+from stages.methods.registry import BUILTIN, method_in, method_of, user_files
 from stages.models.hf import (
     check_model_folder,
     check_tokenizer_folder,
@@ -152,6 +152,9 @@ CORE: Graph[PipelineConfig] = Graph([
     Stage(
         name="export",
         body=Lazy("stages.export", "run"),
+        # the card and the exported pipeline file read every section against its schema defaults (the schema's
+        # classes run: their defaults, validators and overrides_within)
+        code=(PipelineConfig,),
         # every section the model card prints; all but `export` are upstream's already (no extra reruns).
         # Downstream of evaluate: the card carries its metrics, generation_config.json its settings; `overrides`
         # are the --set options of these sections (the card's reproduce command), runtime ones dropped.

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from stages.engine.stage import StageContext
-from stages.methods import method_in
+from stages.methods.registry import method_in
 from stages.models.hf import load_tokenizer
 from stages.sources.arrow import read_split
 from stages.text.packing import pack_rows

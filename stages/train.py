@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.engine.stage import StageContext
-from stages.methods import method_of
+from stages.methods.registry import method_of
 from stages.models.hf import load_tokenizer
 from stages.models.model_loading import count_parameters, load_trainable, save_trained
 from stages.pipeline.schema import MethodConfig, TrainConfig, method_settings

@@ -107,7 +107,7 @@ def load_models(args: argparse.Namespace) -> dict:
     from flows.reports.openai_api import Served
     from flows.reports.predict_cli import export_folder
     from stages.runtimes.exported import PIPELINE_JSON, load_export
-    from stages.runtimes.serving import Engine, context_length, load_base
+    from stages.runtimes.serving import Engine, base_model, context_length, load_base
 
     models: dict[str, Served] = {}
     wait = args.max_wait_ms / 1000
@@ -141,7 +141,7 @@ def load_models(args: argparse.Namespace) -> dict:
             tuned.base = base_name
             add(Served(base_name, Engine(base_ex, args.max_batch, wait, args.max_queue), kind,
                        context_length(base_ex), default_max, f"The base model of {name}: "
-                       f"{settings['model']['name']}, with {name}'s tokenizer and generation settings.\n",
+                       f"{base_model(settings)['name']}, with {name}'s tokenizer and generation settings.\n",
                        str(folder), base_of=name))
     if args.base and not any(m.base_of for m in models.values()):
         raise ConfigError("--base: none of the targets generates text (a classifier's base has an untrained head); "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from stages.engine.config import DEFAULT_PIPELINE_FILE
 from stages.engine.errors import FinetuneError
-from stages.engine.plan import Hook
+from stages.engine.hooks import Hook
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:  # `finetune predict` on an export folder imports no store

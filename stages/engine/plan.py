@@ -24,6 +24,7 @@ from stages.engine.fingerprint import (
     library_versions,
     remembered_code_fingerprint,
 )
+from stages.engine.hooks import Hook
 from stages.engine.stage import Stage, code_roots, stage_params
 from stages.engine.store import StageKey
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Callable, Sequence
 
-    from stages.engine.store import Outcome, Store
+    from stages.engine.store import Store
 
 # What a run does with a planned stage:
 RUN = "run"  # reuse its artifact when the store has a hit, else compute it
@@ -58,42 +59,6 @@ class Pipeline(Protocol):
     def config_file(self) -> str | None: ...
 
     def overrides_within(self, reads: tuple[str, ...]) -> list[str]: ...
-
-
-class Run(Protocol):
-    """What a hook sees of a run (stages/engine/runner.py `Execution`)."""
-
-    plan: Plan[Any]
-    store: Store
-    outcomes: list[Outcome]  # the steps finished so far, in order
-    # what identifies the run: its store, its record, the caller's (a Prefect flow run); a hook may add to
-    # them in before_run, for the hooks after it
-    tags: dict[str, str]
-
-    def transfers(self) -> dict[str, int] | None: ...
-
-    def transfer_line(self) -> str | None: ...
-
-
-class Hook:
-    """Something that hangs on a run (run records, experiment tracking, a UI, printed lines), as Kedro's
-    hooks do: the one loop (stages/engine/runner.py `Execution`) calls each method at its point, in the order
-    the hooks were registered; each does nothing unless overridden."""
-
-    def before_run(self, run: Run) -> None:
-        """The run starts: its upstream (--only) read, nothing computed yet."""
-
-    def before_stage(self, run: Run, item: Planned) -> None:
-        """A step is about to run (or be looked up in the store)."""
-
-    def after_stage(self, run: Run, outcome: Outcome) -> None:
-        """A step finished: computed, a store hit, or joined (another machine commits it)."""
-
-    def on_error(self, run: Run, stage: str | None, error: BaseException) -> None:
-        """The run failed in `stage` (None: between stages), with what raised or the driver's message."""
-
-    def after_run(self, run: Run, status: str) -> None:
-        """The run ended: FINISHED, FAILED (on_error came first) or KILLED (interrupted)."""
 
 
 def _nothing(_: Any) -> None:

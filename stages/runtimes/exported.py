@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.engine.errors import ConfigError, NonFiniteOutputError
-from stages.methods import method_of
 from stages.methods.base import Method
+from stages.methods.registry import method_of
 from stages.models.inference import device_for
 from stages.models.model_loading import quiet_transformers
 from stages.pipeline.schema import LEGACY_TASKS

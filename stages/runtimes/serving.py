@@ -322,7 +322,7 @@ def load_base(ex: Exported, settings: dict[str, Any]) -> Exported:
     from stages.models.hf import pretrained_source
     from stages.sources.tables import one_line
 
-    m = settings["model"]
+    m = base_model(settings)
     if m.get("from_config"):
         raise ConfigError(f"--base: {ex.folder} was tuned from a model built from a config (model.from_config), "
                           f"not pretrained weights: there is no base to serve; drop --base")
@@ -335,3 +335,8 @@ def load_base(ex: Exported, settings: dict[str, Any]) -> Exported:
                           f"({one_line(e)}); drop --base, or make the model available offline") from None
     model.eval()
     return Exported(ex.folder, model, ex.tok, ex.method, ex.prefix, ex.max_length, ex.generation, ex.precision, "torch")
+
+
+def base_model(settings: dict[str, Any]) -> dict[str, Any]:
+    """The model section of an export's pipeline settings: the base it was tuned from."""
+    return dict(settings["model"])

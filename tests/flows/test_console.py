@@ -29,12 +29,12 @@ def test_help_lists_every_subcommand(tmp_path):
     res = finetune("--help", tmp_path=tmp_path)
     assert res.returncode == 0, res.stderr
     listed = [line.split()[0] for line in res.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["run", "sweep", "serve", "inspect", "summary", "predict", "serve-model", "server"] == \
+    assert listed == ["run", "sweep", "serve", "inspect", "summary", "predict", "methods", "serve-model", "server"] == \
         list(COMMANDS)
     assert finetune(tmp_path=tmp_path).returncode == 2  # no command: the same help, exit 2
 
 
-@pytest.mark.parametrize("command", ["run", "sweep", "serve", "inspect", "summary", "serve-model"])
+@pytest.mark.parametrize("command", ["run", "sweep", "serve", "inspect", "summary", "methods", "serve-model"])
 def test_each_subcommand_has_its_own_help(capsys, command):  # in this process: the dispatch is the same
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
@@ -59,7 +59,7 @@ def test_bad_input_is_one_line_and_exit_2_before_prefect(tmp_path):
 def test_an_unknown_command_is_one_line(capsys):
     assert main(["trian"]) == 2
     assert capsys.readouterr().err.strip() == ("error: unknown command 'trian'; commands: run, sweep, serve, "
-                                               "inspect, summary, predict, serve-model, server (finetune --help)")
+                                               "inspect, summary, predict, methods, serve-model, server (finetune --help)")
 
 
 def test_predict_dispatches_or_says_it_is_missing(capsys):

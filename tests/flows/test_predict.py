@@ -297,7 +297,7 @@ def test_a_damaged_export_folder_is_one_line_naming_the_file_exit_2(runs, tmp_pa
 def test_chat_on_a_classifier_export_is_one_line_exit_2(runs, capsys):
     assert main([str(runs["imdb"]["export"].path), "--chat", "Was it good?"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "is a seq_cls export (text-classification), not a chat model" in err, err
+    assert "\n" not in err and "is a classify export (text-classification), not a chat model" in err, err
 
 
 CONVERSATION = [{"role": "user", "content": "Hi"}]

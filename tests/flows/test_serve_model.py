@@ -44,7 +44,7 @@ def chat_pipeline(tmp: Path) -> Path:
     body = {"data": {"source": "local", "path": str(tmp / "chat.jsonl"), "format": "messages",
                      "split": {"mode": "source", "seed": 1, "validation": 2, "test": 2}},
             "tokenize": {"max_length": 128},
-            "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None},
+            "method": "sft", "model": {"name": SMOLLM2, "num_labels": None},
             "adapters": {"method": "lora", "target_modules": ["q_proj", "v_proj"]},
             "train": {"micro_batch_size": 4, "lr": 1e-3, "max_steps": 2, "eval_every": None, "select_best": None,
                       "mixed_precision": "no"},
@@ -56,8 +56,8 @@ def chat_pipeline(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
-    from stages.engine.config import load_pipeline
     from stages.engine.store import Store
+    from stages.pipeline.loading import load_pipeline
 
     tmp = tmp_path_factory.mktemp("serve-exports")
     chat = {o.stage: o for o in helpers.run_pipeline(load_pipeline("chat", [], path=chat_pipeline(tmp)),

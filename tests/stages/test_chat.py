@@ -34,8 +34,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
-                                                                                 "task": "causal_lm"}}))
+    return load_tokenizer(PipelineConfig.model_validate({"name": "t", "method": "sft", "model": {"name": SMOLLM2}}))
 
 
 def render(tok, turns, **t):
@@ -97,7 +96,7 @@ def frames(rows: list[dict]):
 
 def data_cfg(**data) -> PipelineConfig:
     return PipelineConfig.model_validate({"name": "t", "data": {"source": "local", "path": "x", **data},
-                                          "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None}})
+                                          "method": "sft", "model": {"name": SMOLLM2, "num_labels": None}})
 
 
 def test_sharegpt_names_and_alpaca_rows_become_the_same_conversations(tok):
@@ -150,7 +149,7 @@ def pipeline_file(tmp_path: Path, rows: Path, **sections) -> Path:
     body = {"data": {"source": "local", "path": str(rows), "format": "messages",
                      "split": {"mode": "source", "seed": 1, "validation": 4, "test": 4}},
             "tokenize": {"tokenizer": SMOLLM2, "max_length": 64},
-            "model": {"name": "tiny-llama", "task": "causal_lm", "num_labels": None, "from_config": TINY_LLAMA},
+            "method": "sft", "model": {"name": "tiny-llama", "num_labels": None, "from_config": TINY_LLAMA},
             "train": {"micro_batch_size": 4, "lr": 1e-3, "max_steps": 2},
             "evaluate": {"max_new_tokens": 4, "splits": ["test"]}}
     for k, v in sections.items():

@@ -25,8 +25,7 @@ TURNS = {"system": "Be brief.", "user": QUESTION, "assistant": "{label}"}
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
-                                                                                 "task": "causal_lm"}}))
+    return load_tokenizer(PipelineConfig.model_validate({"name": "t", "method": "sft", "model": {"name": SMOLLM2}}))
 
 
 def test_a_labelled_row_becomes_a_conversation_rendered_and_masked(tok):
@@ -135,7 +134,7 @@ def test_an_unknown_field_of_the_mirrors_data_is_refused_at_plan_time_nothing_wr
     hub = PipelineConfig.model_validate({"name": "t", "data": {"source": "imdb", "mirror": "/nowhere",
                                                                "format": "conversation", "conversation": TURNS | {
                                                                    "assistant": "{sentiment}"}},
-                                         "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None}})
+                                         "method": "sft", "model": {"name": SMOLLM2, "num_labels": None}})
     with pytest.raises(ConfigError, match=r"^data.conversation: \{sentiment\} is not a column of the hub's imdb "
                                           r"\(columns: text, label\)"):
         check_rows(hub)

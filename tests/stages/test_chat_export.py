@@ -60,8 +60,7 @@ def test_generation_stops_at_the_token_that_closes_a_turn_under_the_template_and
     from stages.text import chat
     from stages.text.tokens import IGNORE_INDEX
 
-    tok = load_tokenizer(PipelineConfig.model_validate({"name": "t", "model": {"name": SMOLLM2,
-                                                                                 "task": "causal_lm"}}))
+    tok = load_tokenizer(PipelineConfig.model_validate({"name": "t", "method": "sft", "model": {"name": SMOLLM2}}))
     causal, e = method_of("sft"), EvaluateConfig()
     im_end, eos = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
     assert end_of_turn(tok) == im_end == eos and causal.generation(e, tok, None)["eos_token_id"] == eos
@@ -82,7 +81,7 @@ def write_pipeline(tmp: Path, name: str, rows: list[dict], **sections: dict) -> 
     body = {"data": {"source": "local", "path": str(tmp / f"{name}.jsonl"),
                      "split": {"mode": "source", "seed": 1, "validation": 2, "test": 10}},
             "tokenize": {"max_length": 128},
-            "model": {"name": SMOLLM2, "task": "causal_lm", "num_labels": None},
+            "method": "sft", "model": {"name": SMOLLM2, "num_labels": None},
             "adapters": {"method": "lora", "target_modules": ["q_proj", "v_proj"]},
             "train": {"micro_batch_size": 4, "lr": 1e-4, "max_steps": 2, "eval_every": None, "select_best": None,
                       "mixed_precision": "no"},

@@ -180,7 +180,7 @@ def test_a_split_the_data_lacks_is_an_error_naming_the_fix(tmp_path):
                                                                "labels": [0], "length": [2]})}
                          ).save_to_disk(str(tmp_path / "dataset"))
     ctx = SimpleNamespace(cfg=SimpleNamespace(evaluate=EvaluateConfig(splits=["test"]),
-                                              model=SimpleNamespace(task="seq_cls")),
+                                              method=SimpleNamespace(name="classify")),
                           upstream={"tokenize": tmp_path})
     with pytest.raises(MissingInputError, match=r"evaluate.splits \['test'\].*it has train.*set evaluate.splits"):
         evaluate.run(ctx)

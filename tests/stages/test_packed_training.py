@@ -43,7 +43,7 @@ def pipeline_file(tmp_path: Path, n: int = 40) -> Path:
     body = {"data": {"source": "local", "path": str(rows), "format": "messages",
                      "split": {"mode": "source", "seed": 1, "validation": 4, "test": 4}},
             "tokenize": {"tokenizer": SMOLLM2, "max_length": MAX_LENGTH},
-            "model": {"name": "tiny-llama", "task": "causal_lm", "num_labels": None, "from_config": TINY_LLAMA},
+            "method": "sft", "model": {"name": "tiny-llama", "num_labels": None, "from_config": TINY_LLAMA},
             "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "lr": 3e-3, "max_steps": 6,
                       "group_by_length": True},
             "evaluate": {"max_new_tokens": 4, "splits": ["test"]}}

@@ -241,7 +241,7 @@ def test_settings_that_cannot_work_stop_before_training(tmp_path):
                               "val_accuracy; use one of val_loss, val_rouge1, val_rouge2, val_rougeL, val_rougeLsum, val_exact_match")
     with pytest.raises(ConfigError, match="does not compute val_rougeL; use one of val_loss, val_accuracy, "
                                           "val_macro_f1$"):
-        load_pipeline("tiny-imdb", ["train.select_best={metric: val_rougeL}"])
+        GRAPH.validate(load_pipeline("tiny-imdb", ["train.select_best={metric: val_rougeL}"]))
     modes = {m: load_pipeline("tiny-imdb", [f"train.select_best={{metric: {m}}}"]).train.select_best.mode
              for m in ("val_loss", "val_accuracy", "val_macro_f1")}
     assert modes == {"val_loss": "min", "val_accuracy": "max", "val_macro_f1": "max"}
