@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from flows.orchestration import api_watch
 from flows.reports.formatting import inline_png, number
 from flows.reports.train_history import read_history, train_losses
-from stages.engine.plan import Hook, Run
+from stages.engine.hooks import Hook, Run
 from stages.engine.stage import Stage
 from stages.engine.store import Outcome
 from stages.facts import EVALUATES, SHIPS, TRAINS

@@ -20,7 +20,7 @@ from stages.engine.hooks import Hook
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:  # `finetune predict` on an export folder imports no store
-    from stages.engine.plan import Run
+    from stages.engine.hooks import Run
     from stages.engine.store import Outcome
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from stages.engine.plan import Plan, Planned
     from stages.engine.store import Outcome, Store
 
 
 class Run(Protocol):
     """What a hook sees of a run (stages/engine/runner.py `Execution`)."""
 
-    plan: Plan[Any]
+    plan: Any  # its Plan (stages/engine/plan.py, which imports this module)
     store: Store
     outcomes: list[Outcome]  # the steps finished so far, in order
     # what identifies the run: its store, its record, the caller's (a Prefect flow run); a hook may add to
@@ -34,7 +33,7 @@ class Hook:
     def before_run(self, run: Run) -> None:
         """The run starts: its upstream (--only) read, nothing computed yet."""
 
-    def before_stage(self, run: Run, item: Planned) -> None:
+    def before_stage(self, run: Run, item: Any) -> None:  # a plan's Planned step
         """A step is about to run (or be looked up in the store)."""
 
     def after_stage(self, run: Run, outcome: Outcome) -> None:

@@ -18,13 +18,13 @@ from pydantic import BaseModel, ValidationError
 
 from stages.engine.errors import ConfigError
 from stages.engine.fingerprint import canonical_json, sha256_text
-from stages.engine.plan import Hook
+from stages.engine.hooks import Hook
 from stages.engine.runs import SWEEP_ENV
 from stages.engine.stage import JOINED
 from stages.engine.store import Outcome, Store
 
 if TYPE_CHECKING:
-    from stages.engine.plan import Run
+    from stages.engine.hooks import Run
 
 
 class Result(BaseModel):

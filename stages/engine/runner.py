@@ -24,7 +24,8 @@ from stages.engine.errors import (
     is_unreachable,
     store_failure,
 )
-from stages.engine.plan import FORCE, Hook, Plan, Planned
+from stages.engine.hooks import Hook
+from stages.engine.plan import FORCE, Plan, Planned
 from stages.engine.results import Results
 from stages.engine.runs import RunRecords
 from stages.engine.stage import JOINED, ConfigView, StageContext, stage_params

@@ -16,11 +16,11 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.engine.plan import Hook
+from stages.engine.hooks import Hook
 from stages.engine.store import Outcome, now_iso, write_json_atomic
 
 if TYPE_CHECKING:
-    from stages.engine.plan import Run
+    from stages.engine.hooks import Run
 
 SWEEP_ENV = "FINETUNE_SWEEP"
 

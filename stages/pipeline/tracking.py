@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stages.engine.errors import ConfigError
-from stages.engine.plan import Hook
+from stages.engine.hooks import Hook
 from stages.engine.runs import SWEEP_ENV, outcome_status, read_metrics, scalars
 from stages.engine.stage import JOINED
 
 if TYPE_CHECKING:
     import argparse
 
-    from stages.engine.plan import Run
+    from stages.engine.hooks import Run
     from stages.engine.stage import Stage
     from stages.engine.store import Outcome
     from stages.pipeline.schema import PipelineConfig

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from stages.engine.errors import DataError
-from stages.engine.plan import Graph, Hook, Planned, Project, Run
+from stages.engine.hooks import Hook, Run
+from stages.engine.plan import Graph, Planned, Project
 from stages.engine.runner import execute
 from stages.engine.stage import Stage, StageContext
 from stages.engine.store import Outcome, Store
