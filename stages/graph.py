@@ -236,9 +236,6 @@ class Graphs(Graph[PipelineConfig]):
         extra = [s.name for name in BUILTIN for s in _graph(name).stages if s.name not in core.names]
         self.selectable = [*core.names, *dict.fromkeys(extra)]  # checked again on the pipeline's own graph
 
-    def for_config(self, cfg: PipelineConfig) -> Graph[PipelineConfig]:
-        return graph_for(cfg)
-
     def plan(self, cfg: PipelineConfig, *args: Any, **kwargs: Any) -> Any:
         return graph_for(cfg).plan(cfg, *args, **kwargs)
 

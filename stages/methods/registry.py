@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from stages.methods.base import Method, MethodData
 
 BUILTIN = ("classify", "seq2seq", "sft")  # modules of this package, in `finetune methods` order
-METHOD_PARTS = ("settings", "data", "features", "collate", "prepare", "step", "stages")  # what a Method has
+METHOD_ATTRS = ("settings", "data", "features", "collate", "prepare", "step", "stages")  # what a Method has
 _USER: dict[str, tuple[Method, str]] = {}
 
 
@@ -100,7 +100,7 @@ def _load_user(name: str) -> Method:
             raise ConfigError(f"method {name}: cannot import {module_name} ({e}); give MODULE:CLASS or "
                               f"path/to/file.py:CLASS") from None
     cls = getattr(module, cls_name, None)
-    if not (isinstance(cls, type) and all(hasattr(cls, part) for part in METHOD_PARTS)):
+    if not (isinstance(cls, type) and all(hasattr(cls, part) for part in METHOD_ATTRS)):
         raise ConfigError(f"method {name}: {module_name} has no Method subclass {cls_name}; define "
                           f"`class {cls_name}(stages.methods.base.Method)` there (docs/methods.md)")
     return cls()
