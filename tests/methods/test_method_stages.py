@@ -51,13 +51,13 @@ def method(tmp_path: Path) -> str:
 
 
 def test_the_graph_of_a_pipeline_holds_its_methods_stages(method: str):
+    plain = load_pipeline("tiny-imdb", list(IMDB))
+    before = {p.stage.name: p.key.key for p in plan(plain)}  # before the method with a stage is ever loaded
     cfg = load_pipeline("tiny-imdb", [method, *IMDB])
     graph = graph_for(cfg)
     assert graph.names == ["data", "lengths", "tokenize", "model", "adapters", "train", "evaluate", "export"]
     assert "lengths" in graph["train"].upstream
-    plain = load_pipeline("tiny-imdb", list(IMDB))
     assert "lengths" not in graph_for(plain).names
-    before = {p.stage.name: p.key.key for p in plan(plain)}
     assert {p.stage.name: p.key.key for p in plan(load_pipeline("tiny-imdb", [method, *IMDB]))}["train"] != \
         before["train"]  # its train reads the added stage
     assert {p.stage.name: p.key.key for p in plan(plain)} == before  # the other pipeline's keys: as they were
